@@ -1,0 +1,57 @@
+# ductile: `make demo` runs the main job, `make test` runs every test.
+# Both install what is missing (Debian packages; you must be root or have sudo).
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc)
+CMAKE_ARGS ?=
+
+# Debian packages the build, the tests and the demo need.
+DEBS := build-essential cmake pkg-config python3 python3-venv clang libclang-rt-14-dev \
+        libcurl4-openssl-dev libcjson-dev zlib1g-dev libmicrohttpd-dev libopenblas-dev \
+        etcd-server etcd-client dataset-fashion-mnist iproute2 procps
+
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all deps build asan test test-long demo bench fuzz clean
+
+all: build
+
+deps:
+	@missing=$$(for p in $(DEBS); do \
+	    dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; \
+	  done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
+	fi
+
+build: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS) >/dev/null
+	cmake --build $(BUILD) -j $(JOBS)
+
+asan: deps
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DDUCTILE_SANITIZE=ON -DDUCTILE_FUZZ=ON \
+	  $(CMAKE_ARGS) >/dev/null
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+
+# Every test, under ASan/UBSan; the optimised build is compiled too so its
+# warnings count.
+test: build asan
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --output-on-failure --timeout 600 -LE long
+
+# Soak and chaos runs: longer than `make test`.
+test-long: build
+	cd $(BUILD) && ctest --output-on-failure --timeout 3600 -L long
+
+demo: build
+	examples/demo.sh $(BUILD)
+
+bench: build
+	bench/run.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

@@ -1,0 +1,174 @@
+/* etcd.h: a small etcd v3 client over the HTTP/JSON gateway (/v3/...).
+ *
+ * Every call is one HTTP POST made with libcurl; bodies are JSON (cJSON),
+ * keys and values travel base64-encoded, and 64-bit fields (revisions, lease
+ * ids) arrive as JSON strings and are parsed as integers, never as doubles.
+ * A client holds several endpoints and fails over between them; every call
+ * has a deadline, and only transient errors (connection refused or reset,
+ * 5xx, "unavailable") are retried, with backoff, until that deadline.
+ *
+ * A client is used by one thread at a time. A watch is its own object with
+ * its own connection, so one thread can block on a watch while another uses
+ * the client.
+ */
+#ifndef DUCTILE_ETCD_H
+#define DUCTILE_ETCD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    ETCD_OK = 0,
+    ETCD_ERR_ARG,         /* invalid argument (bad endpoint URL, empty key, ...) */
+    ETCD_ERR_NOMEM,       /* out of memory */
+    ETCD_ERR_UNAVAILABLE, /* no endpoint could be reached before the deadline */
+    ETCD_ERR_TIMEOUT,     /* the deadline passed while a request was in flight */
+    ETCD_ERR_PROTOCOL,    /* the answer was not what the gateway sends (malformed) */
+    ETCD_ERR_TOO_LARGE,   /* request or answer over the size limit */
+    ETCD_ERR_SERVER,      /* etcd answered with an error (see etcd_last_error) */
+    ETCD_ERR_AUTH,        /* authentication failed or permission denied */
+    ETCD_ERR_NOT_FOUND,   /* lease not found (expired or revoked) */
+    ETCD_ERR_COMPACTED,   /* a watch's start revision has been compacted away */
+    ETCD_ERR_CANCELED,    /* a watch was canceled (by the server or etcd_watch_wakeup) */
+    ETCD_ERR_TLS,         /* TLS setup or handshake failed */
+} etcd_err;
+
+const char *etcd_strerror(etcd_err err);
+
+typedef struct etcd_config {
+    const char *endpoints; /* "http://127.0.0.1:2379,https://h:2379"; bare host:port means http */
+    const char *cacert;    /* PEM file to verify the server, or NULL */
+    const char *cert;      /* client certificate (PEM), or NULL */
+    const char *key;       /* client key (PEM), or NULL */
+    const char *user;      /* user name for etcd auth, or NULL */
+    const char *password;
+    int timeout_ms; /* deadline of one call, retries included; 0 means 5000 */
+} etcd_config;
+
+typedef struct etcd_client etcd_client;
+
+etcd_err etcd_client_new(const etcd_config *cfg, etcd_client **out);
+void etcd_client_free(etcd_client *c);
+/* Detail of the last failed call on this client, for logs ("" if none). */
+const char *etcd_last_error(const etcd_client *c);
+/* Change the deadline of later calls (0 restores the configured one). */
+void etcd_set_timeout(etcd_client *c, int timeout_ms);
+
+typedef struct etcd_kv {
+    char *key; /* NUL-terminated; keys here are text */
+    char *value; /* NUL-terminated copy too, value_len excludes the NUL */
+    size_t value_len;
+    int64_t create_revision;
+    int64_t mod_revision;
+    int64_t version;
+    int64_t lease;
+} etcd_kv;
+
+typedef struct etcd_range_result {
+    etcd_kv *kvs;
+    size_t n;
+    int64_t count;    /* total matching keys (may exceed n when limited) */
+    int more;         /* 1 when a limit cut the answer */
+    int64_t revision; /* store revision at which the range was served */
+} etcd_range_result;
+
+void etcd_range_result_free(etcd_range_result *r);
+
+/* Range: one key (prefix = 0) or every key starting with key (prefix = 1),
+ * sorted by key. limit 0 means no limit. */
+etcd_err etcd_range(etcd_client *c, const char *key, int prefix, int64_t limit,
+                    etcd_range_result *out);
+/* Convenience: one key's value; ETCD_ERR_NOT_FOUND if the key is absent. */
+etcd_err etcd_get(etcd_client *c, const char *key, etcd_kv *out);
+void etcd_kv_free(etcd_kv *kv);
+
+/* Put with an optional lease (0 for none). *revision (may be NULL) is the
+ * store revision after the put. */
+etcd_err etcd_put(etcd_client *c, const char *key, const void *value, size_t len, int64_t lease,
+                  int64_t *revision);
+/* Delete one key or a prefix; *deleted (may be NULL) counts keys removed. */
+etcd_err etcd_delete(etcd_client *c, const char *key, int prefix, int64_t *deleted);
+
+typedef enum {
+    ETCD_CMP_VERSION,
+    ETCD_CMP_CREATE, /* create_revision */
+    ETCD_CMP_MOD,    /* mod_revision */
+    ETCD_CMP_VALUE,
+    ETCD_CMP_LEASE,
+} etcd_cmp_target;
+
+typedef enum {
+    ETCD_CMP_EQUAL,
+    ETCD_CMP_GREATER,
+    ETCD_CMP_LESS,
+    ETCD_CMP_NOT_EQUAL,
+} etcd_cmp_op;
+
+typedef struct etcd_cmp {
+    const char *key;
+    etcd_cmp_target target;
+    etcd_cmp_op op;
+    int64_t number;    /* for VERSION / CREATE / MOD / LEASE */
+    const void *value; /* for VALUE */
+    size_t value_len;
+} etcd_cmp;
+
+typedef enum { ETCD_OP_RANGE, ETCD_OP_PUT, ETCD_OP_DELETE } etcd_op_type;
+
+typedef struct etcd_op {
+    etcd_op_type type;
+    const char *key;
+    int prefix;        /* RANGE and DELETE: whole prefix */
+    const void *value; /* PUT */
+    size_t value_len;
+    int64_t lease; /* PUT */
+} etcd_op;
+
+typedef struct etcd_txn_result {
+    int succeeded;    /* 1 when every compare held and `then` ran */
+    int64_t revision; /* store revision after the txn */
+    size_t n;         /* one entry per op that ran */
+    etcd_range_result *ranges; /* ranges[i] filled for RANGE ops, empty otherwise */
+} etcd_txn_result;
+
+void etcd_txn_result_free(etcd_txn_result *r);
+
+/* At most 128 operations in all (etcd's limit). out may be NULL. */
+etcd_err etcd_txn(etcd_client *c, const etcd_cmp *cmps, size_t ncmp, const etcd_op *then,
+                  size_t nthen, const etcd_op *els, size_t nels, etcd_txn_result *out);
+
+/* Leases. keepalive returns ETCD_ERR_NOT_FOUND once the lease is gone;
+ * *ttl_left (may be NULL) is the TTL granted by that renewal. */
+etcd_err etcd_lease_grant(etcd_client *c, int64_t ttl_s, int64_t *id);
+etcd_err etcd_lease_keepalive(etcd_client *c, int64_t id, int64_t *ttl_left);
+etcd_err etcd_lease_revoke(etcd_client *c, int64_t id);
+
+/* Watch: one long-lived stream of events for a key or prefix, in revision
+ * order. start_revision 0 means "from now". A broken stream is resumed from
+ * the revision after the last event seen, on any endpoint; compaction of that
+ * revision is reported as ETCD_ERR_COMPACTED (etcd_watch_revision then tells
+ * the compact revision). */
+typedef enum { ETCD_EVENT_PUT, ETCD_EVENT_DELETE } etcd_event_type;
+
+typedef struct etcd_event {
+    etcd_event_type type;
+    etcd_kv kv; /* for DELETE: key and mod_revision only */
+} etcd_event;
+
+typedef struct etcd_watch etcd_watch;
+
+etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t start_revision,
+                         etcd_watch **out);
+/* Waits up to timeout_ms for events. ETCD_OK with *n == 0 means the time
+ * passed with none. The caller frees *events with etcd_events_free. */
+etcd_err etcd_watch_next(etcd_watch *w, int timeout_ms, etcd_event **events, size_t *n);
+void etcd_events_free(etcd_event *events, size_t n);
+/* Revision the watch will resume after (the last event's revision, or the
+ * compact revision after ETCD_ERR_COMPACTED). */
+int64_t etcd_watch_revision(const etcd_watch *w);
+/* Thread-safe: makes a blocked etcd_watch_next return ETCD_OK with no events. */
+void etcd_watch_wakeup(etcd_watch *w);
+const char *etcd_watch_last_error(const etcd_watch *w);
+void etcd_watch_close(etcd_watch *w);
+
+#endif

@@ -1,0 +1,202 @@
+/* rdzv.h: the whole public interface of libductile-rdzv.
+ *
+ * Agents meet in etcd under /ductile/<job>/ and agree, round by round, on
+ * which nodes are in the job and which rank each holds (DESIGN.md, "Rendezvous
+ * protocol"). Round numbers only grow and are the fencing epoch: anything
+ * written for round N is refused once round N+1 exists.
+ *
+ * The interface is event-driven so that an agent can keep one poll() loop:
+ * rdzv_open() starts a driver thread that keeps the node's lease alive,
+ * watches etcd, joins rounds and opens new ones; what happens comes back as
+ * events, and rdzv_fd() becomes readable whenever rdzv_next_event() has one.
+ * The round store (rdzv_store_*) is separate and light so that trainer
+ * processes can use it with just the etcd endpoints, the job and the round.
+ */
+#ifndef DUCTILE_RDZV_H
+#define DUCTILE_RDZV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    RDZV_OK = 0,
+    RDZV_ERR_ARG,         /* invalid argument or configuration */
+    RDZV_ERR_NOMEM,
+    RDZV_ERR_ETCD,        /* etcd failed or could not be reached (detail in the message) */
+    RDZV_ERR_TIMEOUT,     /* a deadline passed */
+    RDZV_ERR_FENCED,      /* the round is no longer the current one: write refused */
+    RDZV_ERR_NOT_FOUND,   /* no such key in the store */
+    RDZV_ERR_LEASE_LOST,  /* this node's lease expired: it is out of the job */
+    RDZV_ERR_JOB_DONE,    /* the job has completed */
+    RDZV_ERR_JOB_FAILED,  /* the job has failed (restart limit reached) */
+    RDZV_ERR_DUPLICATE,   /* a live node already uses this node id */
+    RDZV_ERR_CLOSED,      /* the handle is leaving or closed */
+    RDZV_ERR_PROTOCOL,    /* malformed data found under the job's keys */
+} rdzv_err;
+
+const char *rdzv_strerror(rdzv_err err);
+
+/* How to reach etcd: endpoints "http://127.0.0.1:2379,..." (bare host:port
+ * means http), optional TLS files and user/password. */
+typedef struct rdzv_etcd {
+    const char *endpoints;
+    const char *cacert;
+    const char *cert;
+    const char *key;
+    const char *user;
+    const char *password;
+    int timeout_ms; /* deadline of one etcd call; 0 means 5000 */
+} rdzv_etcd;
+
+/* Job ids: [a-z0-9][a-z0-9-]{0,62}. Returns 1 when valid. */
+int rdzv_job_id_valid(const char *job);
+
+typedef struct rdzv_config {
+    rdzv_etcd etcd;
+    const char *job;      /* job id */
+    const char *node_id;  /* unique per node: [A-Za-z0-9._-]{1,128} */
+    const char *addr;     /* address peers use to reach this node */
+    int local_world_size; /* workers on this node (>= 1) */
+    int min_nodes;        /* >= 1 */
+    int max_nodes;        /* >= min_nodes */
+    int last_call_ms;     /* after min_nodes joined, wait this long past the last join */
+    int lease_ttl_s;      /* node lease TTL (>= 2) */
+    int join_timeout_ms;  /* a round must freeze within this, else RDZV_EV_ERROR */
+    int max_restarts;     /* job-wide failure budget; the first agent's value is kept */
+} rdzv_config;
+
+typedef struct rdzv_member {
+    char *node_id;
+    char *addr;
+    int local_world_size;
+    int rank;              /* node (group) rank */
+    int first_global_rank; /* global ranks first_global_rank .. +local_world_size-1 */
+} rdzv_member;
+
+typedef struct rdzv_round {
+    int64_t number;
+    int nmembers;
+    rdzv_member *members; /* sorted by rank */
+    int my_rank;          /* this node's group rank, -1 if not a member */
+    int world_size;       /* sum of the members' local world sizes */
+    int64_t restarts;     /* job-wide restart count when the round froze */
+    int max_restarts;     /* the job's restart budget */
+} rdzv_round;
+
+void rdzv_round_free(rdzv_round *r);
+
+typedef enum {
+    RDZV_CAUSE_NONE = 0,
+    RDZV_CAUSE_MEMBER_LOST,  /* a member's node key vanished (lease expired) */
+    RDZV_CAUSE_MEMBER_LEFT,  /* a member left cleanly (revoked its lease) */
+    RDZV_CAUSE_NODE_WAITING, /* a node was waiting and the round had room */
+    RDZV_CAUSE_FAILURE,      /* a member reported a failed worker or peer */
+} rdzv_cause;
+
+const char *rdzv_cause_name(rdzv_cause cause); /* "member_lost", ... for metrics */
+
+typedef enum {
+    RDZV_EV_FROZEN,      /* a round with this node as a member froze: ev.round */
+    RDZV_EV_ROUND_ENDED, /* the round this node was in ended: cause, node, reason */
+    RDZV_EV_SPARE,       /* the round is full: this node waits as a hot spare */
+    RDZV_EV_JOB_DONE,    /* the job completed; nothing more will happen */
+    RDZV_EV_JOB_FAILED,  /* the job failed: reason */
+    RDZV_EV_ERROR,       /* unrecoverable: err and reason (lease lost, join timeout, ...) */
+} rdzv_event_type;
+
+typedef struct rdzv_event {
+    rdzv_event_type type;
+    rdzv_round round;    /* FROZEN: the new round (caller frees with rdzv_event_free) */
+    int64_t round_number; /* ROUND_ENDED: the round that ended */
+    rdzv_cause cause;     /* ROUND_ENDED */
+    char node[129];       /* ROUND_ENDED: the node that caused it, if known */
+    char reason[256];     /* ROUND_ENDED, JOB_FAILED, ERROR: one human-readable line */
+    rdzv_err err;         /* ERROR */
+} rdzv_event;
+
+void rdzv_event_free(rdzv_event *ev);
+
+typedef struct rdzv rdzv;
+
+/* Connects, registers nodes/<node_id> under a new lease and starts the driver,
+ * which joins the current or next round at once. Fails with
+ * RDZV_ERR_JOB_DONE / RDZV_ERR_JOB_FAILED when the job has already ended, and
+ * RDZV_ERR_DUPLICATE when a live node holds this node id. msg (may be NULL,
+ * 256 bytes) receives a one-line reason on failure. */
+rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg);
+
+/* Readable (poll POLLIN) while an event is pending. */
+int rdzv_fd(const rdzv *r);
+
+/* Takes the next event without blocking: RDZV_OK and *ev filled, or
+ * RDZV_ERR_TIMEOUT when none is pending. With timeout_ms > 0 it waits up to
+ * that long. */
+rdzv_err rdzv_next_event(rdzv *r, int timeout_ms, rdzv_event *ev);
+
+/* A worker or peer failed in the current round: counts one job-wide restart
+ * and ends the round (cause FAILURE). Past max_restarts the job is marked
+ * failed and every agent gets RDZV_EV_JOB_FAILED. *restarts (may be NULL)
+ * receives the new count. */
+rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts);
+
+/* The job completed: mark it done so that every agent, and any that starts
+ * later, sees RDZV_EV_JOB_DONE / RDZV_ERR_JOB_DONE. */
+rdzv_err rdzv_finish(rdzv *r);
+
+/* Leaves cleanly: marks the leave and revokes the lease, so peers notice at
+ * once (cause MEMBER_LEFT), then stops the driver. Bounded by the etcd
+ * timeout. */
+rdzv_err rdzv_leave(rdzv *r);
+
+/* Stops the driver and frees everything; does not revoke the lease (a crash
+ * is simulated by never calling leave: the lease then expires). */
+void rdzv_close(rdzv *r);
+
+/* Seconds this handle has spent between asking for a round and holding it. */
+double rdzv_seconds_in_rendezvous(const rdzv *r);
+
+/* ---- job status (for `ductile-agent status`) ---- */
+
+typedef struct rdzv_status {
+    int64_t round;        /* current round number, 0 if none yet */
+    char round_state[16]; /* "open", "frozen" or "" */
+    int nmembers;
+    rdzv_member *members; /* of the current round, by rank */
+    int nnodes;           /* live nodes (registered) */
+    char **nodes;
+    int nwaiting;         /* nodes waiting for a round with room */
+    char **waiting;
+    int64_t restarts;
+    int max_restarts;
+    char job_state[16];   /* "running", "done", "failed" or "none" */
+    char reason[256];     /* why it failed, if it did */
+} rdzv_status;
+
+rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *out, char *msg);
+void rdzv_status_free(rdzv_status *s);
+/* The status as one JSON object (malloc'd string). */
+char *rdzv_status_json(const rdzv_status *s);
+
+/* ---- the round store: /ductile/<job>/rounds/<N>/store/<key> ---- */
+
+typedef struct rdzv_store rdzv_store;
+
+rdzv_err rdzv_store_open(const rdzv_etcd *etcd, const char *job, int64_t round, rdzv_store **out);
+void rdzv_store_close(rdzv_store *s);
+/* Writes are fenced: they fail with RDZV_ERR_FENCED once a later round exists. */
+rdzv_err rdzv_store_set(rdzv_store *s, const char *key, const void *value, size_t len);
+/* *value is malloc'd (NUL-terminated beyond len); RDZV_ERR_NOT_FOUND if absent. */
+rdzv_err rdzv_store_get(rdzv_store *s, const char *key, void **value, size_t *len);
+/* Waits (watch, not polling) for the key to exist, up to timeout_ms. */
+rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **value,
+                         size_t *len);
+/* Atomic add on a decimal counter (created at 0); *value is the result. */
+rdzv_err rdzv_store_add(rdzv_store *s, const char *key, int64_t delta, int64_t *value);
+/* Returns once `count` participants have entered barrier `name`, or times out. */
+rdzv_err rdzv_store_barrier(rdzv_store *s, const char *name, int count, int timeout_ms);
+/* RDZV_OK while the store's round is the job's current round, else FENCED. */
+rdzv_err rdzv_store_check(rdzv_store *s);
+/* Detail of the last error on this store ("" if none). */
+const char *rdzv_store_last_error(const rdzv_store *s);
+
+#endif

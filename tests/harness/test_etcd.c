@@ -1,0 +1,161 @@
+/* test_etcd.c: start and stop a private etcd for tests (see test_etcd.h).
+ *
+ * Readiness is checked by asking the gateway for a range over /, the same
+ * path the client uses, with a deadline of 15 s.
+ */
+#include "test_etcd.h"
+
+#include <arpa/inet.h>
+#include <curl/curl.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+int test_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    int port = -1;
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static size_t discard(void *p, size_t s, size_t n, void *u)
+{
+    (void)p;
+    (void)u;
+    return s * n;
+}
+
+static int answers(const test_etcd *e)
+{
+    CURL *h = curl_easy_init();
+    if (!h) return 0;
+    char url[128];
+    snprintf(url, sizeof(url), "%s/v3/kv/range", e->endpoint);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, "{\"key\":\"Lw==\"}");
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1000L);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
+    long code = 0;
+    int ok = curl_easy_perform(h) == CURLE_OK &&
+             curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code) == CURLE_OK && code == 200;
+    curl_easy_cleanup(h);
+    return ok;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int spawn(test_etcd *e)
+{
+    char client[64], peer[64], cluster[96];
+    snprintf(client, sizeof(client), "http://127.0.0.1:%d", e->client_port);
+    snprintf(peer, sizeof(peer), "http://127.0.0.1:%d", e->peer_port);
+    snprintf(cluster, sizeof(cluster), "t=%s", peer);
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
+        int fd = open(e->log_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+            close(fd);
+        }
+        execlp("etcd", "etcd", "--name", "t", "--data-dir", e->data_dir, "--listen-client-urls",
+               client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+               "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster,
+               "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn",
+               (char *)NULL);
+        _exit(127);
+    }
+    e->pid = pid;
+    double deadline = now_s() + 15.0;
+    while (now_s() < deadline) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            e->pid = 0;
+            fprintf(stderr, "test_etcd: etcd exited at start (see %s)\n", e->log_path);
+            return -1;
+        }
+        if (answers(e)) return 0;
+        usleep(50 * 1000);
+    }
+    fprintf(stderr, "test_etcd: etcd did not answer within 15 s (see %s)\n", e->log_path);
+    test_etcd_kill(e);
+    return -1;
+}
+
+int test_etcd_start(test_etcd *e)
+{
+    memset(e, 0, sizeof(*e));
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(e->data_dir, sizeof(e->data_dir), "%s/ductile-etcd-XXXXXX", tmp ? tmp : "/tmp");
+    if (!mkdtemp(e->data_dir)) {
+        fprintf(stderr, "test_etcd: mkdtemp: %s\n", strerror(errno));
+        return -1;
+    }
+    snprintf(e->log_path, sizeof(e->log_path), "%s.log", e->data_dir);
+    for (int attempt = 0; attempt < 5; attempt++) {
+        e->client_port = test_free_port();
+        e->peer_port = test_free_port();
+        if (e->client_port <= 0 || e->peer_port <= 0 || e->client_port == e->peer_port) continue;
+        snprintf(e->endpoint, sizeof(e->endpoint), "http://127.0.0.1:%d", e->client_port);
+        if (spawn(e) == 0) return 0;
+    }
+    test_etcd_stop(e);
+    return -1;
+}
+
+void test_etcd_kill(test_etcd *e)
+{
+    if (e->pid > 0) {
+        kill(e->pid, SIGKILL);
+        waitpid(e->pid, NULL, 0);
+        e->pid = 0;
+    }
+}
+
+int test_etcd_restart(test_etcd *e)
+{
+    test_etcd_kill(e);
+    return spawn(e);
+}
+
+void test_etcd_stop(test_etcd *e)
+{
+    if (e->pid > 0) {
+        kill(e->pid, SIGTERM);
+        double deadline = now_s() + 5.0;
+        int st;
+        while (waitpid(e->pid, &st, WNOHANG) == 0 && now_s() < deadline) usleep(20 * 1000);
+        test_etcd_kill(e);
+    }
+    if (e->data_dir[0]) {
+        char cmd[600];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s'", e->data_dir, e->log_path);
+        if (system(cmd) != 0) fprintf(stderr, "test_etcd: could not remove %s\n", e->data_dir);
+        e->data_dir[0] = 0;
+    }
+}

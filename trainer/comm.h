@@ -1,0 +1,68 @@
+/* comm.h: collectives behind one small interface.
+ *
+ * Two backends share it: a TCP ring on CPU (comm_ring.c: reduce-scatter +
+ * all-gather, chunked and pipelined) bootstrapped through the round store,
+ * and NCCL on GPU (comm_nccl.c), whose buffers are device memory. Every call
+ * is synchronous for its caller (the DDP reducer calls them from its
+ * communication thread) and fails within the configured deadline when a
+ * peer dies or goes silent, at once when a connection closes: none hangs.
+ * comm_abort() may be called from any thread to make calls in flight fail
+ * with COMM_ERR_ABORTED, which is how an in-place rebuild drops a group.
+ */
+#ifndef DUCTILE_COMM_H
+#define DUCTILE_COMM_H
+
+#include <stddef.h>
+
+#include "rdzv.h"
+
+typedef enum {
+    COMM_OK = 0,
+    COMM_ERR_ARG,     /* invalid argument */
+    COMM_ERR_NOMEM,
+    COMM_ERR_SYS,     /* a socket or system call failed */
+    COMM_ERR_PEER,    /* a peer closed its connection or sent garbage */
+    COMM_ERR_TIMEOUT, /* a peer was silent past the deadline */
+    COMM_ERR_STORE,   /* the round store failed during bootstrap */
+    COMM_ERR_ABORTED, /* comm_abort() was called */
+    COMM_ERR_CUDA,
+    COMM_ERR_NCCL,
+} comm_err;
+
+const char *comm_strerror(comm_err err);
+
+typedef struct comm_config {
+    int rank;
+    int world_size;
+    rdzv_store *store;   /* the round's store: bootstrap addresses / NCCL id */
+    const char *host;    /* address to listen on and publish (default 127.0.0.1) */
+    int timeout_ms;      /* deadline for a silent peer (default 30000) */
+    size_t chunk_bytes;  /* ring pipeline chunk (default 256 KiB) */
+    int device;          /* NCCL: CUDA device ordinal */
+} comm_config;
+
+typedef struct comm comm;
+
+/* CPU: TCP ring. */
+comm_err comm_ring_init(const comm_config *cfg, comm **out);
+/* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). */
+comm_err comm_nccl_init(const comm_config *cfg, comm **out);
+
+int comm_rank(const comm *c);
+int comm_world_size(const comm *c);
+
+/* In-place sum of n floats across all ranks. */
+comm_err comm_allreduce_sum_f32(comm *c, float *buf, size_t n);
+/* root's bytes to everyone. */
+comm_err comm_broadcast(comm *c, void *buf, size_t bytes, int root);
+/* Each rank's `bytes` from send, gathered in rank order into recv (world*bytes). */
+comm_err comm_allgather(comm *c, const void *send, size_t bytes, void *recv);
+comm_err comm_barrier(comm *c);
+
+/* Thread-safe, async-signal-unsafe: fail calls in flight and all later ones. */
+void comm_abort(comm *c);
+/* One line on the last error ("" if none). */
+const char *comm_last_error(const comm *c);
+void comm_free(comm *c);
+
+#endif
