@@ -1,0 +1,63 @@
+{{/*
+Rules that span several values, which values.schema.json cannot express.
+Each failure names the keys involved and what to change; validate.yaml
+includes this, so every install, upgrade and template run checks it.
+*/}}
+{{- define "ductile.validate" -}}
+{{- $job := .Values.job }}
+{{- $w := .Values.workers }}
+{{- if gt (int $job.minNodes) (int $job.maxNodes) }}
+{{- fail (printf "job.minNodes (%d) must not exceed job.maxNodes (%d)" (int $job.minNodes) (int $job.maxNodes)) }}
+{{- end }}
+{{- if lt (int $w.replicas) (int $job.minNodes) }}
+{{- fail (printf "workers.replicas (%d) must be at least job.minNodes (%d): the job could never start" (int $w.replicas) (int $job.minNodes)) }}
+{{- end }}
+{{- if gt (int $w.replicas) (int $job.maxNodes) }}
+{{- fail (printf "workers.replicas (%d) must not exceed job.maxNodes (%d): raise job.maxNodes to scale further" (int $w.replicas) (int $job.maxNodes)) }}
+{{- end }}
+{{- if and (not $job.name) (not (regexMatch "^[a-z0-9][a-z0-9-]{0,62}$" .Release.Name)) }}
+{{- fail (printf "release name %q is not a valid job id ([a-z0-9][a-z0-9-]{0,62}): set job.name" .Release.Name) }}
+{{- end }}
+{{- if and $job.nprocPerNode (gt (int $w.gpusPerNode) 0) (gt (int $job.nprocPerNode) (int $w.gpusPerNode)) }}
+{{- fail (printf "job.nprocPerNode (%d) must not exceed workers.gpusPerNode (%d): one trainer process per GPU" (int $job.nprocPerNode) (int $w.gpusPerNode)) }}
+{{- end }}
+{{- if $w.terminationGracePeriodSeconds }}
+{{- if le (int $w.terminationGracePeriodSeconds) (int $job.shutdownTimeout) }}
+{{- fail (printf "workers.terminationGracePeriodSeconds (%d) must be above job.shutdownTimeout (%d), or the agent is killed before it leaves the job cleanly" (int $w.terminationGracePeriodSeconds) (int $job.shutdownTimeout)) }}
+{{- end }}
+{{- end }}
+{{- range $k := list "requests" "limits" }}
+{{- $r := get (default dict $w.resources) $k }}
+{{- if and $r (hasKey $r $w.gpuResourceName) }}
+{{- fail (printf "workers.resources.%s.%s: set GPUs with workers.gpusPerNode instead" $k $w.gpuResourceName) }}
+{{- end }}
+{{- end }}
+{{- $ext := .Values.etcd.external }}
+{{- if .Values.etcd.enabled }}
+{{- if or $ext.endpoints $ext.tls.secretName $ext.auth.secretName }}
+{{- fail "etcd.external.* is set but etcd.enabled is true: set etcd.enabled=false to use an existing etcd" }}
+{{- end }}
+{{- else }}
+{{- if not $ext.endpoints }}
+{{- fail "etcd.enabled is false but etcd.external.endpoints is empty: give the client URLs of an existing etcd" }}
+{{- end }}
+{{- range $ext.endpoints }}
+{{- if and $ext.tls.secretName (not (hasPrefix "https://" .)) }}
+{{- fail (printf "etcd.external.endpoints: %q must be https:// when etcd.external.tls.secretName is set" .) }}
+{{- end }}
+{{- if and (not $ext.tls.secretName) (hasPrefix "https://" .) }}
+{{- fail (printf "etcd.external.endpoints: %q is https:// but etcd.external.tls.secretName is empty: give the Secret with the CA and client certificate" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.checkpoint.existingClaim .Values.checkpoint.perPod }}
+{{- fail "checkpoint.existingClaim and checkpoint.perPod are exclusive: one shared claim, or one volume per pod" }}
+{{- end }}
+{{- $pdb := .Values.podDisruptionBudget }}
+{{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) }}
+{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both" }}
+{{- end }}
+{{- if and $job.script.content (not (has (printf "%s/%s" $job.script.mountPath $job.script.fileName) $job.command)) }}
+{{- fail (printf "job.script is set but job.command never names %s/%s: run the script from the command" $job.script.mountPath $job.script.fileName) }}
+{{- end }}
+{{- end }}
