@@ -1,0 +1,180 @@
+/* control.h: the control channel between ductile-agent and its workers.
+ *
+ * The agent gives each worker one end of a SOCK_STREAM socketpair as file
+ * descriptor DUCTILE_CONTROL_FD. Both sides speak text lines: one message per
+ * line, ended by '\n', at most AGENT_CTL_MAX_LINE bytes, words separated by
+ * single spaces. Text keeps the channel usable from any language (a Python
+ * worker can read it with socket.fromfd(...).makefile()).
+ *
+ * agent -> worker
+ *   round N RANK WORLD LOCAL_RANK GROUP_RANK GROUP_WORLD RESTARTS ADDR PORT PREFIX
+ *         round N froze and this worker holds global rank RANK of WORLD;
+ *         MASTER_ADDR/MASTER_PORT of the round are ADDR and PORT, its store
+ *         prefix is PREFIX (/ductile/<job>/rounds/<N>/store/). In inplace
+ *         mode this is how a kept worker learns its next round; the worker's
+ *         environment only describes the round it was started in.
+ *   abort N
+ *         round N ended (a member was lost, a node joined, a peer failed):
+ *         abandon its collectives now, keep the process and its state, and
+ *         wait for the next `round` line.
+ *   stop
+ *         the agent is shutting down (SIGTERM): finish the current step,
+ *         save, exit 0. The worker also receives SIGTERM.
+ *
+ * worker -> agent (all optional; a worker that never writes is fine)
+ *   ready           set up for the current round
+ *   step K          finished step K (used for progress in logs)
+ *   failed REASON   a collective or peer failed; REASON is the rest of the line.
+ *                   The agent ends the round as a failure (it counts against
+ *                   --max-restarts) and, in inplace mode, keeps the process.
+ *
+ * The helpers below are static inline so that a worker needs only this file.
+ */
+#ifndef DUCTILE_AGENT_CONTROL_H
+#define DUCTILE_AGENT_CONTROL_H
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AGENT_CTL_MAX_LINE 1024
+#define AGENT_CTL_ENV "DUCTILE_CONTROL_FD"
+
+typedef enum {
+    AGENT_CTL_INVALID = 0,
+    AGENT_CTL_ROUND,  /* agent -> worker */
+    AGENT_CTL_ABORT,  /* agent -> worker */
+    AGENT_CTL_STOP,   /* agent -> worker */
+    AGENT_CTL_READY,  /* worker -> agent */
+    AGENT_CTL_STEP,   /* worker -> agent */
+    AGENT_CTL_FAILED, /* worker -> agent */
+} agent_ctl_type;
+
+typedef struct agent_ctl_msg {
+    agent_ctl_type type;
+    int64_t round; /* ROUND, ABORT */
+    int rank;      /* ROUND: global rank */
+    int world_size;
+    int local_rank;
+    int group_rank;
+    int group_world_size;
+    int64_t restarts;
+    char master_addr[256];
+    int master_port;
+    char store_prefix[512];
+    int64_t step;     /* STEP */
+    char reason[512]; /* FAILED */
+} agent_ctl_msg;
+
+/* Parses one decimal integer word in [min, max]; 0 on success. */
+static inline int agent_ctl_int(const char *word, int64_t min, int64_t max, int64_t *out)
+{
+    if (!word || !*word) return -1;
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(word, &end, 10);
+    if (errno || *end || v < min || v > max) return -1;
+    *out = v;
+    return 0;
+}
+
+/* Parses one line (with or without its '\n'). Returns 0 and fills *m, or -1
+ * when the line is not a valid message. */
+static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
+{
+    memset(m, 0, sizeof(*m));
+    char buf[AGENT_CTL_MAX_LINE + 1];
+    size_t n = strlen(line);
+    if (n > AGENT_CTL_MAX_LINE) return -1;
+    memcpy(buf, line, n + 1);
+    while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+        buf[--n] = 0;
+    if (strncmp(buf, "failed", 6) == 0 && (buf[6] == ' ' || buf[6] == 0)) {
+        m->type = AGENT_CTL_FAILED;
+        snprintf(m->reason, sizeof(m->reason), "%s", buf[6] ? buf + 7 : "");
+        return 0;
+    }
+    char *w[12];
+    int nw = 0;
+    char *save = NULL;
+    for (char *t = strtok_r(buf, " ", &save); t; t = strtok_r(NULL, " ", &save)) {
+        if (nw == 12) return -1;
+        w[nw++] = t;
+    }
+    if (nw == 0) return -1;
+    int64_t v[8];
+    if (strcmp(w[0], "ready") == 0 && nw == 1) {
+        m->type = AGENT_CTL_READY;
+    } else if (strcmp(w[0], "stop") == 0 && nw == 1) {
+        m->type = AGENT_CTL_STOP;
+    } else if (strcmp(w[0], "step") == 0 && nw == 2) {
+        if (agent_ctl_int(w[1], 0, INT64_MAX, &m->step)) return -1;
+        m->type = AGENT_CTL_STEP;
+    } else if (strcmp(w[0], "abort") == 0 && nw == 2) {
+        if (agent_ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
+        m->type = AGENT_CTL_ABORT;
+    } else if (strcmp(w[0], "round") == 0 && nw == 11) {
+        if (agent_ctl_int(w[1], 0, INT64_MAX, &v[0]) || agent_ctl_int(w[2], 0, INT_MAX, &v[1]) ||
+            agent_ctl_int(w[3], 1, INT_MAX, &v[2]) || agent_ctl_int(w[4], 0, INT_MAX, &v[3]) ||
+            agent_ctl_int(w[5], 0, INT_MAX, &v[4]) || agent_ctl_int(w[6], 1, INT_MAX, &v[5]) ||
+            agent_ctl_int(w[7], 0, INT64_MAX, &v[6]) || agent_ctl_int(w[9], 0, 65535, &v[7]))
+            return -1;
+        if (v[1] >= v[2] || v[4] >= v[5]) return -1;
+        if (strlen(w[8]) >= sizeof(m->master_addr) || strlen(w[10]) >= sizeof(m->store_prefix))
+            return -1;
+        m->type = AGENT_CTL_ROUND;
+        m->round = v[0];
+        m->rank = (int)v[1];
+        m->world_size = (int)v[2];
+        m->local_rank = (int)v[3];
+        m->group_rank = (int)v[4];
+        m->group_world_size = (int)v[5];
+        m->restarts = v[6];
+        snprintf(m->master_addr, sizeof(m->master_addr), "%s", w[8]);
+        m->master_port = (int)v[7];
+        snprintf(m->store_prefix, sizeof(m->store_prefix), "%s", w[10]);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+/* Formats m as one line with its '\n'. Returns the length, or -1 when it
+ * does not fit in len or the message is invalid. */
+static inline int agent_ctl_format(const agent_ctl_msg *m, char *out, size_t len)
+{
+    int n = -1;
+    switch (m->type) {
+    case AGENT_CTL_ROUND:
+        n = snprintf(out, len, "round %" PRId64 " %d %d %d %d %d %" PRId64 " %s %d %s\n", m->round,
+                     m->rank, m->world_size, m->local_rank, m->group_rank, m->group_world_size,
+                     m->restarts, m->master_addr, m->master_port, m->store_prefix);
+        break;
+    case AGENT_CTL_ABORT:
+        n = snprintf(out, len, "abort %" PRId64 "\n", m->round);
+        break;
+    case AGENT_CTL_STOP:
+        n = snprintf(out, len, "stop\n");
+        break;
+    case AGENT_CTL_READY:
+        n = snprintf(out, len, "ready\n");
+        break;
+    case AGENT_CTL_STEP:
+        n = snprintf(out, len, "step %" PRId64 "\n", m->step);
+        break;
+    case AGENT_CTL_FAILED:
+        if (strchr(m->reason, '\n')) return -1;
+        n = snprintf(out, len, "failed %s\n", m->reason);
+        break;
+    default:
+        return -1;
+    }
+    if (n < 0 || (size_t)n >= len || n > AGENT_CTL_MAX_LINE) return -1;
+    return n;
+}
+
+#endif

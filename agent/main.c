@@ -1,0 +1,1204 @@
+/* main.c: ductile-agent: flags, and the one poll() loop that runs a node.
+ *
+ *   ductile-agent [options] -- COMMAND ARGS...
+ *   ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]
+ *
+ * Everything the agent reacts to is a file descriptor in one poll(): a
+ * signalfd (SIGTERM, SIGINT, SIGCHLD), the rendezvous library's event fd, and
+ * each worker's stdout, stderr and control socket. Every wait in the loop has
+ * a deadline (the SIGKILL after a grace, the shutdown budget), kept in the
+ * agent and turned into the poll timeout. The round state machine:
+ *
+ *   RDZV --frozen--> RUNNING --round ended / worker failed--> STOPPING --all gone--> RDZV
+ *     (inplace: a round end keeps the workers and goes straight back to RDZV)
+ *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
+ */
+#include "agent.h"
+
+#include <arpa/inet.h>
+#include <curl/curl.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <limits.h>
+#include <math.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+/* ------------------------------------------------------------------ */
+/* logging                                                              */
+
+double agent_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+void agent_log(const agent_logger *lg, const char *event, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    char ts[32];
+    time_t t = time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    char line[1400];
+    int n;
+    if (lg->json) {
+        cJSON *o = cJSON_CreateObject();
+        char *text = NULL;
+        if (o && cJSON_AddStringToObject(o, "time", ts) &&
+            cJSON_AddStringToObject(o, "node", lg->node) &&
+            cJSON_AddStringToObject(o, "event", event) && cJSON_AddStringToObject(o, "msg", msg))
+            text = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        if (!text) return;
+        n = snprintf(line, sizeof(line), "%s\n", text);
+        free(text);
+    } else {
+        n = snprintf(line, sizeof(line), "%s agent[%s] %s\n", ts, lg->node, msg);
+    }
+    if (n <= 0) return;
+    if ((size_t)n >= sizeof(line)) {
+        n = sizeof(line) - 1;
+        line[n - 1] = '\n';
+    }
+    ssize_t ignored = write(2, line, (size_t)n); /* one write: lines never interleave */
+    (void)ignored;
+}
+
+/* ------------------------------------------------------------------ */
+/* options                                                              */
+
+typedef struct agent_opts {
+    int min_nodes, max_nodes;
+    int nproc;
+    const char *endpoint;
+    const char *job;
+    int max_restarts;
+    const char *node_id;
+    const char *node_addr;
+    int lease_ttl_s;
+    int last_call_ms;
+    int join_timeout_ms;
+    int shutdown_timeout_ms;
+    int stop_grace_ms;
+    int inplace;
+    int standalone;
+    int http_port;
+    int json_log;
+    const char *role;
+    const char *cacert, *cert, *key, *user, *password;
+    char **cmd;
+    char node_id_buf[129];
+    char node_addr_buf[64];
+} agent_opts;
+
+typedef enum {
+    OPT_NNODES,
+    OPT_NPROC,
+    OPT_ENDPOINT,
+    OPT_ID,
+    OPT_MAX_RESTARTS,
+    OPT_NODE_ID,
+    OPT_NODE_ADDR,
+    OPT_LEASE_TTL,
+    OPT_LAST_CALL,
+    OPT_JOIN_TIMEOUT,
+    OPT_SHUTDOWN_TIMEOUT,
+    OPT_STOP_GRACE,
+    OPT_REBUILD,
+    OPT_STANDALONE,
+    OPT_HTTP_PORT,
+    OPT_LOG_FORMAT,
+    OPT_ROLE,
+    OPT_CACERT,
+    OPT_CERT,
+    OPT_KEY,
+    OPT_USER,
+    OPT_PASSWORD,
+    OPT_COUNT
+} agent_opt_id;
+
+typedef struct agent_opt {
+    const char *flag; /* without the leading "--" */
+    const char *env;
+    const char *arg; /* NULL for a switch */
+    const char *def; /* NULL: no default */
+    const char *help;
+} agent_opt;
+
+static const agent_opt agent_opt_table[OPT_COUNT] = {
+    [OPT_NNODES] = {"nnodes", "DUCTILE_NNODES", "N|MIN:MAX", "1:1",
+                    "nodes in the job; the job runs with MIN and grows to MAX"},
+    [OPT_NPROC] = {"nproc-per-node", "DUCTILE_NPROC_PER_NODE", "K", "1",
+                   "workers started on this node"},
+    [OPT_ENDPOINT] = {"rdzv-endpoint", "DUCTILE_RDZV_ENDPOINT", "URL[,URL...]", NULL,
+                      "etcd endpoints (required unless --standalone)"},
+    [OPT_ID] = {"rdzv-id", "DUCTILE_RDZV_ID", "JOB", NULL,
+                "job id [a-z0-9][a-z0-9-]{0,62} (required unless --standalone)"},
+    [OPT_MAX_RESTARTS] = {"max-restarts", "DUCTILE_MAX_RESTARTS", "N", "0",
+                          "restarts after failures allowed for the whole job (kept in etcd)"},
+    [OPT_NODE_ID] = {"node-id", "DUCTILE_NODE_ID", "ID", "the host name",
+                     "unique node name [A-Za-z0-9._-]{1,128}"},
+    [OPT_NODE_ADDR] = {"node-addr", "DUCTILE_NODE_ADDR", "ADDR",
+                       "first non-loopback IPv4, else 127.0.0.1",
+                       "address peers use to reach this node (MASTER_ADDR on node rank 0)"},
+    [OPT_LEASE_TTL] = {"lease-ttl", "DUCTILE_LEASE_TTL", "SECONDS", "10",
+                       "node lease TTL: worst-case time to notice a silent death (2..3600)"},
+    [OPT_LAST_CALL] = {"last-call", "DUCTILE_LAST_CALL", "SECONDS", "5",
+                       "with MIN nodes joined, freeze this long after the last join"},
+    [OPT_JOIN_TIMEOUT] = {"join-timeout", "DUCTILE_JOIN_TIMEOUT", "SECONDS", "600",
+                          "a round must form within this, else the agent exits 1"},
+    [OPT_SHUTDOWN_TIMEOUT] = {"shutdown-timeout", "DUCTILE_SHUTDOWN_TIMEOUT", "SECONDS", "20",
+                              "on SIGTERM/SIGINT: stop workers, leave and exit within this"},
+    [OPT_STOP_GRACE] = {"stop-grace", "DUCTILE_STOP_GRACE", "SECONDS", "5",
+                        "between SIGTERM and SIGKILL when stopping workers for a new round"},
+    [OPT_REBUILD] = {"rebuild", "DUCTILE_REBUILD", "restart|inplace", "restart",
+                     "restart: stop and relaunch workers each round; inplace: keep them and "
+                     "send the new round on DUCTILE_CONTROL_FD"},
+    [OPT_STANDALONE] = {"standalone", "DUCTILE_STANDALONE", NULL, "off",
+                        "run a private etcd on a free loopback port (one-machine runs)"},
+    [OPT_HTTP_PORT] = {"http-port", "DUCTILE_HTTP_PORT", "PORT", "0 (off)",
+                       "serve /healthz, /readyz and /metrics on this port"},
+    [OPT_LOG_FORMAT] = {"log-format", "DUCTILE_LOG_FORMAT", "text|json", "text",
+                        "one log line per event, as text or JSON"},
+    [OPT_ROLE] = {"role", "DUCTILE_ROLE", "NAME", "default", "ROLE_NAME given to workers"},
+    [OPT_CACERT] = {"etcd-cacert", "DUCTILE_ETCD_CACERT", "FILE", NULL,
+                    "CA certificate to verify etcd (PEM)"},
+    [OPT_CERT] = {"etcd-cert", "DUCTILE_ETCD_CERT", "FILE", NULL, "client certificate (PEM)"},
+    [OPT_KEY] = {"etcd-key", "DUCTILE_ETCD_KEY", "FILE", NULL, "client key (PEM)"},
+    [OPT_USER] = {"etcd-user", "DUCTILE_ETCD_USER", "NAME", NULL, "etcd user name"},
+    [OPT_PASSWORD] = {"etcd-password", "DUCTILE_ETCD_PASSWORD", "PASSWORD", NULL, "etcd password"},
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: ductile-agent [options] [--] COMMAND ARGS...\n"
+               "       ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]\n\n"
+               "Runs COMMAND as K workers per node of an elastic job whose nodes meet in\n"
+               "etcd. Every option also comes from its environment variable; the command\n"
+               "line wins. Durations are seconds and may have decimals.\n\n");
+    for (int i = 0; i < OPT_COUNT; i++) {
+        const agent_opt *o = &agent_opt_table[i];
+        char left[64];
+        snprintf(left, sizeof(left), "--%s%s%s", o->flag, o->arg ? " " : "", o->arg ? o->arg : "");
+        fprintf(f, "  %-34s %s\n  %-34s [%s%s%s]\n", left, o->help, "", o->env,
+                o->def ? ", default " : "", o->def ? o->def : "");
+    }
+    fprintf(f, "  %-34s %s\n", "-h, --help", "this text");
+}
+
+/* Parses a whole decimal integer in [min, max]. */
+static int parse_int(const char *s, long min, long max, int *out)
+{
+    if (!s || !*s) return -1;
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < min || v > max) return -1;
+    *out = (int)v;
+    return 0;
+}
+
+/* Seconds (decimals allowed) in [min_s, max_s] to milliseconds. */
+static int parse_secs(const char *s, double min_s, double max_s, int *ms)
+{
+    if (!s || !*s) return -1;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || v < min_s || v > max_s) return -1;
+    *ms = (int)lround(v * 1000.0);
+    return 0;
+}
+
+static int parse_bool(const char *s, int *out)
+{
+    const char *yes[] = {"1", "true", "yes", "on"}, *no[] = {"0", "false", "no", "off", ""};
+    for (size_t i = 0; i < 4; i++)
+        if (strcasecmp(s, yes[i]) == 0) return *out = 1, 0;
+    for (size_t i = 0; i < 5; i++)
+        if (strcasecmp(s, no[i]) == 0) return *out = 0, 0;
+    return -1;
+}
+
+static int node_id_valid(const char *s)
+{
+    size_t n = strlen(s);
+    if (n < 1 || n > 128) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+/* Sets one option from text; on error writes why (without the flag name). */
+static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, size_t len)
+{
+    switch (id) {
+    case OPT_NNODES: {
+        const char *colon = strchr(v, ':');
+        int a, b;
+        if (colon) {
+            char first[32];
+            size_t n = (size_t)(colon - v);
+            if (n >= sizeof(first)) goto bad_nnodes;
+            memcpy(first, v, n);
+            first[n] = 0;
+            if (parse_int(first, 1, 100000, &a) || parse_int(colon + 1, 1, 100000, &b))
+                goto bad_nnodes;
+        } else {
+            if (parse_int(v, 1, 100000, &a)) goto bad_nnodes;
+            b = a;
+        }
+        if (a > b) {
+            snprintf(why, len, "'%s': MIN is larger than MAX", v);
+            return -1;
+        }
+        o->min_nodes = a;
+        o->max_nodes = b;
+        return 0;
+    bad_nnodes:
+        snprintf(why, len, "'%s' is not N or MIN:MAX with 1 <= MIN <= MAX <= 100000", v);
+        return -1;
+    }
+    case OPT_NPROC:
+        if (parse_int(v, 1, 1024, &o->nproc) == 0) return 0;
+        snprintf(why, len, "'%s' is not a whole number of workers in 1..1024", v);
+        return -1;
+    case OPT_ENDPOINT:
+        if (*v) return o->endpoint = v, 0;
+        snprintf(why, len, "must not be empty");
+        return -1;
+    case OPT_ID:
+        if (rdzv_job_id_valid(v)) return o->job = v, 0;
+        snprintf(why, len, "'%s' is not a job id [a-z0-9][a-z0-9-]{0,62}", v);
+        return -1;
+    case OPT_MAX_RESTARTS:
+        if (parse_int(v, 0, 1000000, &o->max_restarts) == 0) return 0;
+        snprintf(why, len, "'%s' is not a whole number in 0..1000000", v);
+        return -1;
+    case OPT_NODE_ID:
+        if (node_id_valid(v)) return o->node_id = v, 0;
+        snprintf(why, len, "'%s' is not a node id [A-Za-z0-9._-]{1,128}", v);
+        return -1;
+    case OPT_NODE_ADDR:
+        if (*v && strlen(v) < 256 && !strpbrk(v, " \t\n/")) return o->node_addr = v, 0;
+        snprintf(why, len, "'%s' is not a host name or address", v);
+        return -1;
+    case OPT_LEASE_TTL:
+        if (parse_int(v, 2, 3600, &o->lease_ttl_s) == 0) return 0;
+        snprintf(why, len, "'%s' is not a whole number of seconds in 2..3600", v);
+        return -1;
+    case OPT_LAST_CALL:
+        if (parse_secs(v, 0, 3600, &o->last_call_ms) == 0) return 0;
+        snprintf(why, len, "'%s' is not a number of seconds in 0..3600", v);
+        return -1;
+    case OPT_JOIN_TIMEOUT:
+        if (parse_secs(v, 0.1, 86400, &o->join_timeout_ms) == 0) return 0;
+        snprintf(why, len, "'%s' is not a number of seconds in 0.1..86400", v);
+        return -1;
+    case OPT_SHUTDOWN_TIMEOUT:
+        if (parse_secs(v, 0.1, 3600, &o->shutdown_timeout_ms) == 0) return 0;
+        snprintf(why, len, "'%s' is not a number of seconds in 0.1..3600", v);
+        return -1;
+    case OPT_STOP_GRACE:
+        if (parse_secs(v, 0, 3600, &o->stop_grace_ms) == 0) return 0;
+        snprintf(why, len, "'%s' is not a number of seconds in 0..3600", v);
+        return -1;
+    case OPT_REBUILD:
+        if (strcmp(v, "restart") == 0) return o->inplace = 0, 0;
+        if (strcmp(v, "inplace") == 0) return o->inplace = 1, 0;
+        snprintf(why, len, "'%s' is not restart or inplace", v);
+        return -1;
+    case OPT_STANDALONE:
+        if (parse_bool(v, &o->standalone) == 0) return 0;
+        snprintf(why, len, "'%s' is not true or false", v);
+        return -1;
+    case OPT_HTTP_PORT:
+        if (parse_int(v, 0, 65535, &o->http_port) == 0) return 0;
+        snprintf(why, len, "'%s' is not a port in 0..65535", v);
+        return -1;
+    case OPT_LOG_FORMAT:
+        if (strcmp(v, "text") == 0) return o->json_log = 0, 0;
+        if (strcmp(v, "json") == 0) return o->json_log = 1, 0;
+        snprintf(why, len, "'%s' is not text or json", v);
+        return -1;
+    case OPT_ROLE:
+        if (*v && !strpbrk(v, " \t\n")) return o->role = v, 0;
+        snprintf(why, len, "'%s' is not a role name", v);
+        return -1;
+    case OPT_CACERT:
+        return o->cacert = v, 0;
+    case OPT_CERT:
+        return o->cert = v, 0;
+    case OPT_KEY:
+        return o->key = v, 0;
+    case OPT_USER:
+        return o->user = v, 0;
+    case OPT_PASSWORD:
+        return o->password = v, 0;
+    default:
+        break;
+    }
+    snprintf(why, len, "unknown option");
+    return -1;
+}
+
+/* Finds a flag by its name; torchrun's underscore spellings are accepted. */
+static int opt_find(const char *name, size_t n)
+{
+    char norm[64];
+    if (n >= sizeof(norm)) return -1;
+    for (size_t i = 0; i < n; i++)
+        norm[i] = name[i] == '_' ? '-' : name[i];
+    norm[n] = 0;
+    for (int i = 0; i < OPT_COUNT; i++)
+        if (strcmp(norm, agent_opt_table[i].flag) == 0) return i;
+    return -1;
+}
+
+static void default_node_addr(agent_opts *o)
+{
+    snprintf(o->node_addr_buf, sizeof(o->node_addr_buf), "127.0.0.1");
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) == 0) {
+        for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+            if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+            if ((i->ifa_flags & IFF_LOOPBACK) || !(i->ifa_flags & IFF_UP)) continue;
+            struct sockaddr_in *sin = (struct sockaddr_in *)i->ifa_addr;
+            inet_ntop(AF_INET, &sin->sin_addr, o->node_addr_buf, sizeof(o->node_addr_buf));
+            break;
+        }
+        freeifaddrs(ifs);
+    }
+    o->node_addr = o->node_addr_buf;
+}
+
+/* Fills o from defaults, then DUCTILE_* variables, then argv. Returns 0,
+ * 1 when --help was printed, or -1 after printing a one-line error. */
+static int parse_opts(int argc, char **argv, agent_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    char why[300];
+    for (int i = 0; i < OPT_COUNT; i++) {
+        const agent_opt *t = &agent_opt_table[i];
+        if (t->def && i != OPT_NODE_ID && i != OPT_NODE_ADDR && i != OPT_HTTP_PORT &&
+            i != OPT_STANDALONE && opt_set(o, (agent_opt_id)i, t->def, why, sizeof(why)) != 0)
+            abort(); /* the table's defaults are valid */
+    }
+    for (int i = 0; i < OPT_COUNT; i++) {
+        const char *v = getenv(agent_opt_table[i].env);
+        if (!v) continue;
+        if (opt_set(o, (agent_opt_id)i, v, why, sizeof(why)) != 0) {
+            fprintf(stderr, "ductile-agent: %s: %s\n", agent_opt_table[i].env, why);
+            return -1;
+        }
+    }
+    int i = 1;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--") == 0) {
+            i++;
+            break;
+        }
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0) break; /* the command starts here */
+        const char *name = a + 2;
+        const char *eq = strchr(name, '=');
+        size_t n = eq ? (size_t)(eq - name) : strlen(name);
+        int id = opt_find(name, n);
+        if (id < 0) {
+            fprintf(stderr, "ductile-agent: unknown option '%s' (see --help)\n", a);
+            return -1;
+        }
+        const agent_opt *t = &agent_opt_table[id];
+        const char *v;
+        if (!t->arg) {
+            v = eq ? eq + 1 : "true";
+        } else if (eq) {
+            v = eq + 1;
+        } else if (i + 1 < argc) {
+            v = argv[++i];
+        } else {
+            fprintf(stderr, "ductile-agent: --%s needs a value (%s)\n", t->flag, t->arg);
+            return -1;
+        }
+        if (opt_set(o, (agent_opt_id)id, v, why, sizeof(why)) != 0) {
+            fprintf(stderr, "ductile-agent: --%s: %s\n", t->flag, why);
+            return -1;
+        }
+    }
+    if (i >= argc) {
+        fprintf(stderr, "ductile-agent: no worker command given (ductile-agent [options] -- "
+                        "COMMAND ARGS...)\n");
+        return -1;
+    }
+    o->cmd = argv + i;
+    if (!o->standalone && !o->endpoint) {
+        fprintf(stderr, "ductile-agent: --rdzv-endpoint (DUCTILE_RDZV_ENDPOINT) is required "
+                        "unless --standalone\n");
+        return -1;
+    }
+    if (!o->job) {
+        if (!o->standalone) {
+            fprintf(stderr, "ductile-agent: --rdzv-id (DUCTILE_RDZV_ID) is required unless "
+                            "--standalone\n");
+            return -1;
+        }
+        o->job = "standalone";
+    }
+    if (!o->node_id) {
+        if (gethostname(o->node_id_buf, sizeof(o->node_id_buf) - 1) != 0 ||
+            !node_id_valid(o->node_id_buf)) {
+            fprintf(stderr, "ductile-agent: the host name is not a usable node id: set "
+                            "--node-id\n");
+            return -1;
+        }
+        o->node_id = o->node_id_buf;
+    }
+    if (!o->node_addr) default_node_addr(o);
+    if (!o->role) o->role = "default";
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* the agent                                                            */
+
+typedef enum {
+    AGENT_RDZV,     /* waiting for a round (inplace: workers may be alive and idle) */
+    AGENT_RUNNING,  /* workers running in a frozen round */
+    AGENT_STOPPING, /* stopping workers; then the next round, or exit */
+    AGENT_SHUTDOWN, /* SIGTERM: workers finishing their step; then leave, exit 0 */
+    AGENT_DRAINING, /* the job completed elsewhere: let local workers finish */
+} agent_state;
+
+typedef struct agent {
+    agent_opts *o;
+    agent_logger lg;
+    rdzv_etcd etcd;
+    rdzv *rz;
+    agent_http *http;
+    agent_standalone sa;
+    int sigfd;
+    agent_workers ws;
+    rdzv_round round; /* current or last round; number 0 = none yet */
+    int in_round;     /* round is frozen and has not ended */
+    rdzv_round pending;
+    int have_pending;
+    agent_state state;
+    int exit_after_stop; /* -1: go on to the next round, else the exit code */
+    double kill_at;      /* SIGKILL workers still alive at this time (0: none) */
+    double give_up_at;   /* stop waiting for workers at this time (0: none) */
+    int failure_reported;
+    int64_t restarts;
+    int64_t changes[5];
+    char why[400]; /* why the next round happens, for its "frozen" line */
+    int done;
+    int exit_code;
+    int signals;
+} agent;
+
+static void agent_finish(agent *a, int code, const char *how)
+{
+    if (a->done) return;
+    if (a->rz) {
+        rdzv_err err = rdzv_leave(a->rz);
+        if (err != RDZV_OK && err != RDZV_ERR_CLOSED)
+            agent_log(&a->lg, "leave_failed", "could not leave the job cleanly: %s",
+                      rdzv_strerror(err));
+    }
+    agent_log(&a->lg, code == 0 ? "exit" : "exit_failed", "exiting with code %d: %s", code, how);
+    a->exit_code = code;
+    a->done = 1;
+}
+
+static int workers_alive(const agent *a)
+{
+    return a->ws.w ? a->ws.alive : 0;
+}
+
+/* SIGTERM to every worker, SIGKILL after grace_ms. */
+static void stop_workers(agent *a, int grace_ms)
+{
+    if (!workers_alive(a)) return;
+    agent_workers_signal(&a->ws, SIGTERM);
+    a->kill_at = agent_now() + grace_ms / 1000.0;
+    a->give_up_at = 0;
+}
+
+static void start_round(agent *a, rdzv_round *r);
+
+/* Every worker is reaped: decide what comes next. */
+static void on_workers_gone(agent *a)
+{
+    if (a->ws.w) agent_workers_free(&a->ws);
+    a->kill_at = a->give_up_at = 0;
+    switch (a->state) {
+    case AGENT_SHUTDOWN:
+        agent_finish(a, 0, "stopped by signal; left the job");
+        return;
+    case AGENT_DRAINING:
+        agent_finish(a, 0, "job complete");
+        return;
+    case AGENT_STOPPING:
+        if (a->exit_after_stop >= 0) {
+            agent_finish(a, a->exit_after_stop, a->why);
+            return;
+        }
+        a->state = AGENT_RDZV;
+        if (a->have_pending) {
+            rdzv_round r = a->pending;
+            a->have_pending = 0;
+            start_round(a, &r);
+        }
+        return;
+    default:
+        a->state = AGENT_RDZV;
+        return;
+    }
+}
+
+static void report_failure(agent *a, const char *reason)
+{
+    if (a->failure_reported) return;
+    a->failure_reported = 1;
+    int64_t restarts = a->restarts;
+    rdzv_err err = rdzv_report_failure(a->rz, reason, &restarts);
+    if (err == RDZV_OK) {
+        a->restarts = restarts;
+        agent_log(&a->lg, "failure_reported", "failure recorded: job-wide restarts now %lld of %d",
+                  (long long)restarts, a->round.max_restarts);
+    } else if (err == RDZV_ERR_JOB_FAILED) {
+        a->restarts = restarts;
+        snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %s)",
+                 a->round.max_restarts, reason);
+        a->exit_after_stop = 1;
+    } else {
+        agent_log(&a->lg, "failure_report_failed", "could not record the failure: %s",
+                  rdzv_strerror(err));
+    }
+}
+
+/* A worker of this node failed (exited non-zero, was killed, or reported a
+ * failure in restart mode): stop the rest and end the round as a failure. */
+static void worker_failed(agent *a, const char *reason)
+{
+    agent_log(&a->lg, "worker_failed", "round %lld: %s; stopping the other workers",
+              (long long)a->round.number, reason);
+    if (a->state != AGENT_SHUTDOWN) {
+        a->state = AGENT_STOPPING;
+        if (a->exit_after_stop < 0) snprintf(a->why, sizeof(a->why), "failure: %s", reason);
+    }
+    stop_workers(a, a->o->stop_grace_ms);
+    a->in_round = 0;
+    report_failure(a, reason);
+    if (!workers_alive(a)) on_workers_gone(a);
+}
+
+static void on_ctl(void *ctx, agent_worker *w, const agent_ctl_msg *m)
+{
+    agent *a = ctx;
+    switch (m->type) {
+    case AGENT_CTL_READY:
+        w->ready = 1;
+        break;
+    case AGENT_CTL_STEP:
+        w->step = m->step;
+        break;
+    case AGENT_CTL_FAILED: {
+        char reason[600];
+        snprintf(reason, sizeof(reason), "worker rank %d reported: %s", w->rank, m->reason);
+        if (a->state != AGENT_RUNNING) break;
+        if (a->o->inplace) {
+            /* The worker keeps its process; the round ends for everyone. */
+            agent_log(&a->lg, "worker_reported_failure", "round %lld: %s",
+                      (long long)a->round.number, reason);
+            report_failure(a, reason);
+        } else {
+            worker_failed(a, reason);
+        }
+        break;
+    }
+    default:
+        agent_log(&a->lg, "control_invalid", "worker rank %d sent an agent-only message", w->rank);
+        break;
+    }
+}
+
+/* MASTER_ADDR is node rank 0's address; MASTER_PORT a free port node rank 0
+ * picks and publishes in the round store, which the others wait for. */
+static int round_master(agent *a, const rdzv_round *r, char *addr, size_t addrlen, int *port)
+{
+    const rdzv_member *m0 = NULL;
+    for (int i = 0; i < r->nmembers; i++)
+        if (r->members[i].rank == 0) m0 = &r->members[i];
+    if (!m0) {
+        agent_log(&a->lg, "round_invalid", "round %lld has no node rank 0", (long long)r->number);
+        return -1;
+    }
+    snprintf(addr, addrlen, "%s", m0->addr);
+    rdzv_store *st = NULL;
+    rdzv_err err = rdzv_store_open(&a->etcd, a->o->job, r->number, &st);
+    if (err != RDZV_OK) {
+        agent_log(&a->lg, "store_failed", "round %lld: cannot open the round store: %s",
+                  (long long)r->number, rdzv_strerror(err));
+        return -1;
+    }
+    int rc = -1;
+    if (r->my_rank == 0) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
+        socklen_t len = sizeof(sa);
+        if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+            getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+            *port = ntohs(sa.sin_port);
+        if (fd >= 0) close(fd);
+        char val[16];
+        int n = snprintf(val, sizeof(val), "%d", *port);
+        err = rdzv_store_set(st, "master_port", val, (size_t)n);
+        if (err == RDZV_OK) rc = 0;
+    } else {
+        /* Knowingly blocking: node rank 0 publishes right after the freeze, and
+         * the wait is bounded by the lease TTL (rank 0 dead = round over). */
+        void *v = NULL;
+        size_t len = 0;
+        int timeout = a->o->lease_ttl_s * 1000 + 5000;
+        err = rdzv_store_wait(st, "master_port", timeout, &v, &len);
+        if (err == RDZV_OK && parse_int((const char *)v, 1, 65535, port) == 0) rc = 0;
+        if (err == RDZV_OK && rc != 0) err = RDZV_ERR_PROTOCOL;
+        free(v);
+    }
+    if (rc != 0)
+        agent_log(&a->lg, "master_port_failed", "round %lld: no MASTER_PORT: %s%s%s",
+                  (long long)r->number, rdzv_strerror(err),
+                  rdzv_store_last_error(st)[0] ? ": " : "", rdzv_store_last_error(st));
+    rdzv_store_close(st);
+    return rc;
+}
+
+static void send_round(agent *a, const char *maddr, int mport, const char *prefix)
+{
+    const rdzv_round *r = &a->round;
+    const rdzv_member *me = &r->members[0];
+    for (int i = 0; i < r->nmembers; i++)
+        if (r->members[i].rank == r->my_rank) me = &r->members[i];
+    for (int i = 0; i < a->ws.n; i++) {
+        agent_worker *w = &a->ws.w[i];
+        w->rank = me->first_global_rank + w->local_rank;
+        w->failed_reported = 0;
+        w->ready = 0;
+        agent_ctl_msg m = {.type = AGENT_CTL_ROUND,
+                           .round = r->number,
+                           .rank = w->rank,
+                           .world_size = r->world_size,
+                           .local_rank = w->local_rank,
+                           .group_rank = r->my_rank,
+                           .group_world_size = r->nmembers,
+                           .restarts = r->restarts,
+                           .master_port = mport};
+        snprintf(m.master_addr, sizeof(m.master_addr), "%s", maddr);
+        snprintf(m.store_prefix, sizeof(m.store_prefix), "%s", prefix);
+        if (!w->exited && agent_ctl_send(w, &m) != 0)
+            agent_log(&a->lg, "control_failed", "cannot send round %lld to worker rank %d",
+                      (long long)r->number, w->rank);
+    }
+}
+
+/* A round froze with this node in it: take it and run the workers in it. */
+static void start_round(agent *a, rdzv_round *r)
+{
+    rdzv_round_free(&a->round);
+    a->round = *r;
+    memset(r, 0, sizeof(*r));
+    a->in_round = 1;
+    a->failure_reported = 0;
+    a->restarts = a->round.restarts;
+    const rdzv_round *rd = &a->round;
+    const rdzv_member *me = NULL;
+    for (int i = 0; i < rd->nmembers; i++)
+        if (rd->members[i].rank == rd->my_rank) me = &rd->members[i];
+    if (!me) {
+        agent_log(&a->lg, "round_invalid", "round %lld froze without this node",
+                  (long long)rd->number);
+        a->in_round = 0;
+        return;
+    }
+    agent_log(&a->lg, "round_frozen",
+              "round %lld frozen: %d nodes, world size %d, rank %d, restarts %lld of %d (%s)",
+              (long long)rd->number, rd->nmembers, rd->world_size, rd->my_rank,
+              (long long)rd->restarts, rd->max_restarts, a->why[0] ? a->why : "first round");
+    a->why[0] = 0;
+    char maddr[256];
+    int mport = 0;
+    char prefix[320];
+    snprintf(prefix, sizeof(prefix), "/ductile/%s/rounds/%lld/store/", a->o->job,
+             (long long)rd->number);
+    if (round_master(a, rd, maddr, sizeof(maddr), &mport) != 0) {
+        a->state = workers_alive(a) ? AGENT_RUNNING : AGENT_RDZV;
+        report_failure(a, "node rank 0 did not publish MASTER_PORT");
+        a->in_round = 0;
+        return;
+    }
+    if (a->o->inplace && workers_alive(a) == a->o->nproc) {
+        send_round(a, maddr, mport, prefix);
+        a->state = AGENT_RUNNING;
+        agent_log(&a->lg, "workers_kept", "round %lld: %d workers kept, ranks %d..%d",
+                  (long long)rd->number, a->o->nproc, me->first_global_rank,
+                  me->first_global_rank + a->o->nproc - 1);
+        return;
+    }
+    agent_round_env env = {.round = rd->number,
+                           .world_size = rd->world_size,
+                           .group_rank = rd->my_rank,
+                           .group_world_size = rd->nmembers,
+                           .first_rank = me->first_global_rank,
+                           .local_world_size = a->o->nproc,
+                           .master_addr = maddr,
+                           .master_port = mport,
+                           .restarts = rd->restarts,
+                           .max_restarts = rd->max_restarts,
+                           .job = a->o->job,
+                           .role = a->o->role,
+                           .endpoints = a->etcd.endpoints,
+                           .store_prefix = prefix,
+                           .cacert = a->o->cacert,
+                           .cert = a->o->cert,
+                           .key = a->o->key,
+                           .user = a->o->user,
+                           .password = a->o->password};
+    char msg[256];
+    if (agent_workers_spawn(&a->ws, &env, a->o->cmd, msg, sizeof(msg)) != 0) {
+        agent_log(&a->lg, "spawn_failed", "round %lld: cannot start workers: %s",
+                  (long long)rd->number, msg);
+        a->state = AGENT_RDZV;
+        a->in_round = 0;
+        report_failure(a, msg);
+        return;
+    }
+    a->state = AGENT_RUNNING;
+    agent_log(&a->lg, "workers_started", "round %lld: started %d workers, ranks %d..%d",
+              (long long)rd->number, a->o->nproc, me->first_global_rank,
+              me->first_global_rank + a->o->nproc - 1);
+    /* In inplace mode a fresh worker also gets the round on its channel, so
+     * a trainer reads its round the same way every time. */
+    if (a->o->inplace) send_round(a, maddr, mport, prefix);
+}
+
+static void describe_end(const rdzv_event *ev, char *out, size_t len)
+{
+    const char *node = ev->node[0] ? ev->node : "?";
+    switch (ev->cause) {
+    case RDZV_CAUSE_MEMBER_LOST:
+        snprintf(out, len, "member %s lost%s%s", node, ev->reason[0] ? ": " : "", ev->reason);
+        break;
+    case RDZV_CAUSE_MEMBER_LEFT:
+        snprintf(out, len, "member %s left%s%s", node, ev->reason[0] ? ": " : "", ev->reason);
+        break;
+    case RDZV_CAUSE_NODE_WAITING:
+        snprintf(out, len, "node %s waiting and the round has room", node);
+        break;
+    case RDZV_CAUSE_FAILURE:
+        snprintf(out, len, "failure on %s%s%s", node, ev->reason[0] ? ": " : "", ev->reason);
+        break;
+    default:
+        snprintf(out, len, "%s", ev->reason[0] ? ev->reason : "unknown cause");
+        break;
+    }
+}
+
+static void on_event(agent *a, rdzv_event *ev)
+{
+    char what[400];
+    switch (ev->type) {
+    case RDZV_EV_FROZEN:
+        if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
+            break;
+        if (a->state == AGENT_STOPPING) {
+            if (a->have_pending) rdzv_round_free(&a->pending);
+            a->pending = ev->round;
+            a->have_pending = 1;
+            memset(&ev->round, 0, sizeof(ev->round));
+        } else {
+            start_round(a, &ev->round);
+        }
+        break;
+    case RDZV_EV_ROUND_ENDED:
+        if (ev->cause > 0 && ev->cause < 5) a->changes[ev->cause]++;
+        describe_end(ev, what, sizeof(what));
+        agent_log(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
+        snprintf(a->why, sizeof(a->why), "%s", what);
+        a->in_round = 0;
+        if (a->state != AGENT_RUNNING) break;
+        if (a->o->inplace) {
+            agent_ctl_msg m = {.type = AGENT_CTL_ABORT, .round = ev->round_number};
+            for (int i = 0; i < a->ws.n; i++)
+                if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+            a->state = AGENT_RDZV;
+        } else {
+            a->state = AGENT_STOPPING;
+            a->exit_after_stop = -1;
+            stop_workers(a, a->o->stop_grace_ms);
+            if (!workers_alive(a)) on_workers_gone(a);
+        }
+        break;
+    case RDZV_EV_SPARE:
+        agent_log(&a->lg, "spare", "the round is full: waiting as a hot spare");
+        break;
+    case RDZV_EV_JOB_DONE:
+        agent_log(&a->lg, "job_done", "the job is complete");
+        a->in_round = 0;
+        if (workers_alive(a) && a->state != AGENT_SHUTDOWN && a->state != AGENT_STOPPING) {
+            a->state = AGENT_DRAINING;
+            a->give_up_at = agent_now() + a->o->shutdown_timeout_ms / 1000.0;
+        } else if (!workers_alive(a)) {
+            agent_finish(a, 0, "job complete");
+        }
+        break;
+    case RDZV_EV_JOB_FAILED:
+    case RDZV_EV_ERROR:
+        if (ev->type == RDZV_EV_JOB_FAILED)
+            snprintf(a->why, sizeof(a->why), "job failed: %s", ev->reason);
+        else
+            snprintf(a->why, sizeof(a->why), "rendezvous error: %s: %s", rdzv_strerror(ev->err),
+                     ev->reason);
+        agent_log(&a->lg, ev->type == RDZV_EV_JOB_FAILED ? "job_failed" : "rdzv_error", "%s",
+                  a->why);
+        a->in_round = 0;
+        if (a->state == AGENT_SHUTDOWN) break;
+        a->exit_after_stop = 1;
+        if (workers_alive(a)) {
+            a->state = AGENT_STOPPING;
+            stop_workers(a, a->o->stop_grace_ms);
+        } else {
+            agent_finish(a, 1, a->why);
+        }
+        break;
+    }
+}
+
+/* SIGTERM/SIGINT: workers finish their step and save, then leave, exit 0.
+ * The workers get the shutdown budget less what leaving may take. */
+static void begin_shutdown(agent *a, const char *sig)
+{
+    a->signals++;
+    if (a->signals > 1) {
+        agent_log(&a->lg, "signal", "%s again: killing workers now", sig);
+        agent_workers_signal(&a->ws, SIGKILL);
+        return;
+    }
+    int budget = a->o->shutdown_timeout_ms;
+    int reserve = budget / 4 < 5000 ? budget / 4 : 5000;
+    agent_log(&a->lg, "signal", "%s: stopping workers (they have %.1f s), then leaving", sig,
+              (budget - reserve) / 1000.0);
+    a->state = AGENT_SHUTDOWN;
+    a->in_round = 0;
+    if (a->have_pending) rdzv_round_free(&a->pending);
+    a->have_pending = 0;
+    agent_ctl_msg m = {.type = AGENT_CTL_STOP};
+    for (int i = 0; i < a->ws.n; i++)
+        if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+    stop_workers(a, budget - reserve);
+    if (!workers_alive(a)) on_workers_gone(a);
+}
+
+static void on_reaped(agent *a, pid_t pid, int status)
+{
+    if (pid == a->sa.pid) {
+        a->sa.pid = 0;
+        snprintf(a->why, sizeof(a->why), "the private etcd exited (status %d)", status);
+        agent_log(&a->lg, "etcd_exited", "%s", a->why);
+        a->exit_after_stop = 1;
+        if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) agent_finish(a, 1, a->why);
+        return;
+    }
+    if (!a->ws.w) return;
+    agent_worker *w = agent_workers_reaped(&a->ws, pid, status);
+    if (!w) return;
+    char how[96];
+    agent_worker_describe(w, how, sizeof(how));
+    int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (a->state == AGENT_RUNNING || (a->state == AGENT_RDZV && a->o->inplace)) {
+        if (!ok) {
+            char reason[300];
+            snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
+            worker_failed(a, reason);
+            return;
+        }
+        if (workers_alive(a) == 0) {
+            int all_ok = 1;
+            for (int i = 0; i < a->ws.n; i++)
+                all_ok &= WIFEXITED(a->ws.w[i].status) && WEXITSTATUS(a->ws.w[i].status) == 0;
+            if (all_ok) {
+                agent_log(&a->lg, "workers_done", "round %lld: all %d workers exited 0",
+                          (long long)a->round.number, a->ws.n);
+                rdzv_err err = rdzv_finish(a->rz);
+                if (err != RDZV_OK && err != RDZV_ERR_JOB_DONE)
+                    agent_log(&a->lg, "finish_failed", "could not mark the job complete: %s",
+                              rdzv_strerror(err));
+                agent_workers_free(&a->ws);
+                a->in_round = 0;
+                agent_finish(a, 0, "job complete");
+            }
+        }
+        return;
+    }
+    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_STOPPING)
+        agent_log(&a->lg, "worker_stopped", "worker rank %d %s", w->rank, how);
+    if (workers_alive(a) == 0) on_workers_gone(a);
+}
+
+static void on_signalfd(agent *a)
+{
+    struct signalfd_siginfo si;
+    while (read(a->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        if (si.ssi_signo == SIGTERM) begin_shutdown(a, "SIGTERM");
+        if (si.ssi_signo == SIGINT) begin_shutdown(a, "SIGINT");
+    }
+    /* SIGCHLD coalesces: reap everything that has ended. */
+    for (;;) {
+        int st;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid <= 0) break;
+        on_reaped(a, pid, st);
+    }
+}
+
+static void check_deadlines(agent *a)
+{
+    double now = agent_now();
+    if (a->kill_at > 0 && now >= a->kill_at) {
+        a->kill_at = 0;
+        if (workers_alive(a)) {
+            for (int i = 0; i < a->ws.n; i++)
+                if (!a->ws.w[i].exited)
+                    agent_log(&a->lg, "worker_killed",
+                              "worker rank %d did not stop in time: SIGKILL", a->ws.w[i].rank);
+            agent_workers_signal(&a->ws, SIGKILL);
+            a->give_up_at = now + 5.0;
+        }
+    }
+    if (a->give_up_at > 0 && now >= a->give_up_at) {
+        a->give_up_at = 0;
+        if (a->state == AGENT_DRAINING && workers_alive(a)) {
+            agent_log(&a->lg, "drain_timeout",
+                      "workers still running after the job completed: "
+                      "stopping them");
+            stop_workers(a, a->o->stop_grace_ms);
+        } else if (workers_alive(a)) {
+            agent_log(&a->lg, "workers_stuck", "%d workers did not exit after SIGKILL",
+                      workers_alive(a));
+            a->ws.alive = 0;
+            on_workers_gone(a);
+        }
+    }
+}
+
+static void publish(agent *a)
+{
+    if (!a->http) return;
+    agent_snapshot s;
+    memset(&s, 0, sizeof(s));
+    s.round = a->round.number;
+    s.members = a->in_round ? a->round.nmembers : 0;
+    s.world_size = a->in_round ? a->round.world_size : 0;
+    s.restarts = a->restarts;
+    s.workers_running = workers_alive(a);
+    s.rdzv_seconds = a->rz ? rdzv_seconds_in_rendezvous(a->rz) : 0;
+    memcpy(s.changes, a->changes, sizeof(s.changes));
+    s.ready = a->state == AGENT_RUNNING && a->in_round && workers_alive(a) == a->o->nproc;
+    s.heartbeat = agent_now();
+    agent_http_publish(a->http, &s);
+}
+
+static void run_loop(agent *a)
+{
+    int maxfds = 2 + 3 * a->o->nproc;
+    struct pollfd *pfd = calloc((size_t)maxfds, sizeof(*pfd));
+    agent_worker **owner = calloc((size_t)maxfds, sizeof(*owner));
+    if (!pfd || !owner) {
+        free(pfd);
+        free(owner);
+        agent_finish(a, 1, "out of memory");
+        return;
+    }
+    while (!a->done) {
+        int n = 0;
+        pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
+        for (int i = 0; a->ws.w && i < a->ws.n; i++) {
+            agent_worker *w = &a->ws.w[i];
+            int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
+            for (int j = 0; j < 3; j++) {
+                if (fds[j] < 0) continue;
+                owner[n] = w;
+                pfd[n++] = (struct pollfd){.fd = fds[j], .events = POLLIN};
+            }
+        }
+        double now = agent_now(), next = now + 1.0;
+        if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
+        if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
+        int timeout = next > now ? (int)((next - now) * 1000.0) + 1 : 0;
+        int got = poll(pfd, (nfds_t)n, timeout);
+        if (got < 0 && errno != EINTR) {
+            agent_finish(a, 1, "poll failed");
+            break;
+        }
+        if (got > 0) {
+            for (int i = 2; i < n; i++) {
+                if (!pfd[i].revents || !a->ws.w) continue;
+                agent_worker *w = owner[i];
+                if (pfd[i].fd == w->ctl_fd)
+                    agent_ctl_read(w, &a->lg, on_ctl, a);
+                else if (pfd[i].fd == w->out_fd || pfd[i].fd == w->err_fd)
+                    agent_workers_read_output(&a->ws, w, pfd[i].fd);
+                if (a->done) break;
+            }
+            if (pfd[0].revents) on_signalfd(a);
+            if (pfd[1].revents) {
+                rdzv_event ev;
+                while (!a->done && rdzv_next_event(a->rz, 0, &ev) == RDZV_OK) {
+                    on_event(a, &ev);
+                    rdzv_event_free(&ev);
+                }
+            }
+        }
+        if (!a->done) check_deadlines(a);
+        publish(a);
+    }
+    free(pfd);
+    free(owner);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "status") == 0) return agent_status_main(argc - 1, argv + 1);
+    agent_opts opts;
+    int rc = parse_opts(argc, argv, &opts);
+    if (rc != 0) return rc > 0 ? 0 : 2;
+
+    agent a;
+    memset(&a, 0, sizeof(a));
+    a.o = &opts;
+    a.lg.node = opts.node_id;
+    a.lg.json = opts.json_log;
+    a.exit_after_stop = -1;
+    a.sigfd = -1;
+
+    /* Signals become fd events; they are blocked before any thread starts so
+     * that every thread inherits the mask. */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    a.sigfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (a.sigfd < 0) {
+        fprintf(stderr, "ductile-agent: signalfd: %s\n", strerror(errno));
+        return 1;
+    }
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+
+    char msg[256] = "";
+    a.etcd.endpoints = opts.endpoint;
+    a.etcd.cacert = opts.cacert;
+    a.etcd.cert = opts.cert;
+    a.etcd.key = opts.key;
+    a.etcd.user = opts.user;
+    a.etcd.password = opts.password;
+    if (opts.standalone) {
+        if (agent_standalone_start(&a.sa, msg, sizeof(msg)) != 0) {
+            agent_log(&a.lg, "standalone_failed", "--standalone: %s", msg);
+            a.exit_code = 1;
+            goto out;
+        }
+        a.etcd.endpoints = a.sa.endpoint;
+        agent_log(&a.lg, "standalone", "private etcd at %s", a.sa.endpoint);
+    }
+    if (opts.http_port > 0) {
+        a.http = agent_http_start(opts.http_port, msg, sizeof(msg));
+        if (!a.http) {
+            agent_log(&a.lg, "http_failed", "--http-port: %s", msg);
+            a.exit_code = 1;
+            goto out;
+        }
+    }
+    publish(&a);
+
+    rdzv_config cfg = {.etcd = a.etcd,
+                       .job = opts.job,
+                       .node_id = opts.node_id,
+                       .addr = opts.node_addr,
+                       .local_world_size = opts.nproc,
+                       .min_nodes = opts.min_nodes,
+                       .max_nodes = opts.max_nodes,
+                       .last_call_ms = opts.last_call_ms,
+                       .lease_ttl_s = opts.lease_ttl_s,
+                       .join_timeout_ms = opts.join_timeout_ms,
+                       .max_restarts = opts.max_restarts};
+    agent_log(&a.lg, "start",
+              "joining job %s at %s as node %s (%s), %d workers, nodes %d:%d, rebuild %s", opts.job,
+              a.etcd.endpoints, opts.node_id, opts.node_addr, opts.nproc, opts.min_nodes,
+              opts.max_nodes, opts.inplace ? "inplace" : "restart");
+    msg[0] = 0;
+    rdzv_err err = rdzv_open(&cfg, &a.rz, msg);
+    if (err == RDZV_ERR_JOB_DONE) {
+        agent_log(&a.lg, "exit", "exiting with code 0: job %s is already complete", opts.job);
+        a.rz = NULL;
+        a.exit_code = 0;
+        goto out;
+    }
+    if (err != RDZV_OK) {
+        agent_log(&a.lg, err == RDZV_ERR_JOB_FAILED ? "exit_failed" : "rdzv_error",
+                  "exiting with code 1: %s%s%s", rdzv_strerror(err), msg[0] ? ": " : "", msg);
+        a.rz = NULL;
+        a.exit_code = 1;
+        goto out;
+    }
+    run_loop(&a);
+
+out:
+    /* Whatever path got here, nothing is left running. */
+    if (a.ws.w) {
+        agent_workers_signal(&a.ws, SIGKILL);
+        for (int i = 0; i < a.ws.n; i++)
+            if (!a.ws.w[i].exited && a.ws.w[i].pid > 0) waitpid(a.ws.w[i].pid, NULL, 0);
+        agent_workers_free(&a.ws);
+    }
+    if (a.rz) rdzv_close(a.rz);
+    agent_http_stop(a.http);
+    agent_standalone_stop(&a.sa);
+    rdzv_round_free(&a.round);
+    if (a.have_pending) rdzv_round_free(&a.pending);
+    close(a.sigfd);
+    curl_global_cleanup();
+    return a.exit_code;
+}

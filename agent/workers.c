@@ -1,0 +1,360 @@
+/* workers.c: spawn, watch and stop the worker processes of one node.
+ *
+ * Each worker is a child in its own process group (so a signal reaches a
+ * shell wrapper's children too) with three channels to the agent: its stdout
+ * and stderr pipes, passed through line by line with a "[rank] " prefix, and
+ * one end of a socketpair as DUCTILE_CONTROL_FD. Children die with the agent
+ * (PR_SET_PDEATHSIG), as they would with the pod. Everything a child needs is
+ * built before fork(): between fork and exec only async-signal-safe calls run,
+ * because the agent has other threads (rendezvous driver, HTTP server).
+ */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+
+/* Names the agent sets; inherited values of these are dropped. */
+static const char *const agent_env_names[] = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "DUCTILE_ETCD_ENDPOINTS",
+    "DUCTILE_JOB",
+    "DUCTILE_ROUND",
+    "DUCTILE_STORE_PREFIX",
+    "DUCTILE_CONTROL_FD",
+    NULL,
+};
+
+static int env_is_ours(const char *entry)
+{
+    for (int i = 0; agent_env_names[i]; i++) {
+        size_t n = strlen(agent_env_names[i]);
+        if (strncmp(entry, agent_env_names[i], n) == 0 && entry[n] == '=') return 1;
+    }
+    return 0;
+}
+
+static int env_has(char **env, int n, const char *name)
+{
+    size_t len = strlen(name);
+    for (int i = 0; i < n; i++)
+        if (strncmp(env[i], name, len) == 0 && env[i][len] == '=') return 1;
+    return 0;
+}
+
+static int env_add(char **env, int *n, const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 3, 0)));
+
+static int env_add(char **env, int *n, const char *name, const char *fmt, ...)
+{
+    char value[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int len = vsnprintf(value, sizeof(value), fmt, ap);
+    va_end(ap);
+    if (len < 0 || (size_t)len >= sizeof(value)) return -1;
+    char *e = malloc(strlen(name) + (size_t)len + 2);
+    if (!e) return -1;
+    sprintf(e, "%s=%s", name, value);
+    env[(*n)++] = e;
+    return 0;
+}
+
+static void env_free(char **env)
+{
+    if (!env) return;
+    for (char **p = env; *p; p++)
+        free(*p);
+    free(env);
+}
+
+/* The environment of local rank lr: the agent's own, minus the names above,
+ * plus the round's values. */
+static char **env_build(const agent_round_env *r, int lr)
+{
+    int inherited = 0;
+    while (environ[inherited])
+        inherited++;
+    char **env = calloc((size_t)inherited + 40, sizeof(char *));
+    if (!env) return NULL;
+    int n = 0;
+    for (int i = 0; i < inherited; i++) {
+        if (env_is_ours(environ[i])) continue;
+        if (!(env[n] = strdup(environ[i]))) goto err;
+        n++;
+    }
+    int rank = r->first_rank + lr;
+    int bad = 0;
+    bad |= env_add(env, &n, "RANK", "%d", rank);
+    bad |= env_add(env, &n, "LOCAL_RANK", "%d", lr);
+    bad |= env_add(env, &n, "WORLD_SIZE", "%d", r->world_size);
+    bad |= env_add(env, &n, "LOCAL_WORLD_SIZE", "%d", r->local_world_size);
+    bad |= env_add(env, &n, "GROUP_RANK", "%d", r->group_rank);
+    bad |= env_add(env, &n, "GROUP_WORLD_SIZE", "%d", r->group_world_size);
+    bad |= env_add(env, &n, "ROLE_RANK", "%d", rank);
+    bad |= env_add(env, &n, "ROLE_WORLD_SIZE", "%d", r->world_size);
+    bad |= env_add(env, &n, "ROLE_NAME", "%s", r->role);
+    bad |= env_add(env, &n, "MASTER_ADDR", "%s", r->master_addr);
+    bad |= env_add(env, &n, "MASTER_PORT", "%d", r->master_port);
+    bad |= env_add(env, &n, "TORCHELASTIC_RESTART_COUNT", "%lld", (long long)r->restarts);
+    bad |= env_add(env, &n, "TORCHELASTIC_MAX_RESTARTS", "%d", r->max_restarts);
+    bad |= env_add(env, &n, "TORCHELASTIC_RUN_ID", "%s", r->job);
+    bad |= env_add(env, &n, "DUCTILE_ETCD_ENDPOINTS", "%s", r->endpoints);
+    bad |= env_add(env, &n, "DUCTILE_JOB", "%s", r->job);
+    bad |= env_add(env, &n, "DUCTILE_ROUND", "%lld", (long long)r->round);
+    bad |= env_add(env, &n, "DUCTILE_STORE_PREFIX", "%s", r->store_prefix);
+    bad |= env_add(env, &n, "DUCTILE_CONTROL_FD", "3");
+    /* One thread per worker unless the user chose: K workers share the node. */
+    if (r->local_world_size > 1 && !env_has(env, n, "OMP_NUM_THREADS"))
+        bad |= env_add(env, &n, "OMP_NUM_THREADS", "1");
+    /* The store needs the same etcd credentials as the agent. */
+    const char *names[] = {"DUCTILE_ETCD_CACERT", "DUCTILE_ETCD_CERT", "DUCTILE_ETCD_KEY",
+                           "DUCTILE_ETCD_USER", "DUCTILE_ETCD_PASSWORD"};
+    const char *vals[] = {r->cacert, r->cert, r->key, r->user, r->password};
+    for (int i = 0; i < 5; i++)
+        if (vals[i] && !env_has(env, n, names[i])) bad |= env_add(env, &n, names[i], "%s", vals[i]);
+    env[n] = NULL;
+    if (bad) goto err;
+    return env;
+err:
+    env[n] = NULL;
+    env_free(env);
+    return NULL;
+}
+
+static void close_fd(int *fd)
+{
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+}
+
+/* In the child: only async-signal-safe calls from here to exec. */
+static void child_exec(pid_t parent, int out_w, int err_w, int ctl_w, char *const argv[],
+                       char **env)
+{
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof(dfl));
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGPIPE, &dfl, NULL);
+    if (dup2(out_w, 1) < 0 || dup2(err_w, 2) < 0) _exit(127);
+    if (ctl_w == 3) {
+        fcntl(3, F_SETFD, 0);
+    } else if (dup2(ctl_w, 3) < 0) {
+        _exit(127);
+    }
+    close_range(4, ~0U, 0);
+    execvpe(argv[0], argv, env);
+    static const char msg[] = "ductile-agent: cannot run the worker command\n";
+    ssize_t ignored = write(2, msg, sizeof(msg) - 1);
+    (void)ignored;
+    _exit(127);
+}
+
+static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *const argv[],
+                     char *msg, size_t msglen)
+{
+    int out[2] = {-1, -1}, errp[2] = {-1, -1}, ctl[2] = {-1, -1};
+    char **envp = NULL;
+    if (pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) ||
+        socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ctl)) {
+        snprintf(msg, msglen, "cannot create worker pipes: %s", strerror(errno));
+        goto err;
+    }
+    if (!(envp = env_build(env, lr))) {
+        snprintf(msg, msglen, "cannot build the worker environment");
+        goto err;
+    }
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(msg, msglen, "fork: %s", strerror(errno));
+        goto err;
+    }
+    if (pid == 0) child_exec(parent, out[1], errp[1], ctl[1], argv, envp);
+    setpgid(pid, pid); /* also here, so a signal sent at once reaches the group */
+    env_free(envp);
+    close(out[1]);
+    close(errp[1]);
+    close(ctl[1]);
+    memset(w, 0, sizeof(*w));
+    w->pid = pid;
+    w->local_rank = lr;
+    w->rank = env->first_rank + lr;
+    w->out_fd = out[0];
+    w->err_fd = errp[0];
+    w->ctl_fd = ctl[0];
+    fcntl(w->out_fd, F_SETFL, O_NONBLOCK);
+    fcntl(w->err_fd, F_SETFL, O_NONBLOCK);
+    fcntl(w->ctl_fd, F_SETFL, O_NONBLOCK);
+    return 0;
+err:
+    env_free(envp);
+    for (int i = 0; i < 2; i++) {
+        close_fd(&out[i]);
+        close_fd(&errp[i]);
+        close_fd(&ctl[i]);
+    }
+    return -1;
+}
+
+int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
+                        char *msg, size_t msglen)
+{
+    int k = env->local_world_size;
+    memset(ws, 0, sizeof(*ws));
+    ws->w = calloc((size_t)k, sizeof(agent_worker));
+    if (!ws->w) {
+        snprintf(msg, msglen, "out of memory");
+        return -1;
+    }
+    for (int i = 0; i < k; i++) {
+        if (spawn_one(&ws->w[i], env, i, argv, msg, msglen) != 0) {
+            /* Take back the ones already started. */
+            for (int j = 0; j < i; j++) {
+                kill(-ws->w[j].pid, SIGKILL);
+                waitpid(ws->w[j].pid, NULL, 0);
+                ws->w[j].pid = 0;
+                ws->w[j].exited = 1;
+            }
+            ws->n = i;
+            agent_workers_free(ws);
+            return -1;
+        }
+        ws->n = i + 1;
+        ws->alive++;
+    }
+    return 0;
+}
+
+void agent_workers_signal(agent_workers *ws, int sig)
+{
+    for (int i = 0; i < ws->n; i++) {
+        agent_worker *w = &ws->w[i];
+        if (w->exited || w->pid <= 0) continue;
+        if (kill(-w->pid, sig) != 0) kill(w->pid, sig);
+    }
+}
+
+agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status)
+{
+    for (int i = 0; i < ws->n; i++) {
+        agent_worker *w = &ws->w[i];
+        if (w->pid != pid || w->exited) continue;
+        w->exited = 1;
+        w->status = status;
+        ws->alive--;
+        /* Leftovers of the process group (a wrapper's children) go with it. */
+        kill(-pid, SIGKILL);
+        return w;
+    }
+    return NULL;
+}
+
+static void emit_line(int out, int rank, const char *line, size_t len)
+{
+    char buf[AGENT_CTL_MAX_LINE + 64];
+    int n = snprintf(buf, sizeof(buf), "[%d] %.*s\n", rank, (int)len, line);
+    if (n <= 0) return;
+    if ((size_t)n >= sizeof(buf)) n = sizeof(buf) - 1;
+    ssize_t ignored = write(out, buf, (size_t)n);
+    (void)ignored;
+}
+
+static void linebuf_flush(agent_linebuf *lb, int out, int rank)
+{
+    if (lb->len) emit_line(out, rank, lb->buf, lb->len);
+    lb->len = 0;
+}
+
+void agent_workers_read_output(agent_workers *ws, agent_worker *w, int fd)
+{
+    (void)ws;
+    int is_out = fd == w->out_fd;
+    agent_linebuf *lb = is_out ? &w->out : &w->err;
+    int dest = is_out ? 1 : 2;
+    char chunk[4096];
+    for (int rounds = 0; rounds < 16; rounds++) {
+        ssize_t got = read(fd, chunk, sizeof(chunk));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (got <= 0) { /* EOF or error: the worker closed its end */
+            linebuf_flush(lb, dest, w->rank);
+            if (is_out)
+                close_fd(&w->out_fd);
+            else
+                close_fd(&w->err_fd);
+            return;
+        }
+        for (ssize_t i = 0; i < got; i++) {
+            char c = chunk[i];
+            if (c == '\n') {
+                emit_line(dest, w->rank, lb->buf, lb->len);
+                lb->len = 0;
+            } else {
+                if (lb->len == AGENT_CTL_MAX_LINE) linebuf_flush(lb, dest, w->rank);
+                lb->buf[lb->len++] = c;
+            }
+        }
+    }
+}
+
+void agent_workers_free(agent_workers *ws)
+{
+    for (int i = 0; i < ws->n; i++) {
+        agent_worker *w = &ws->w[i];
+        /* What is still in the pipes belongs in the log. */
+        if (w->out_fd >= 0) agent_workers_read_output(ws, w, w->out_fd);
+        if (w->err_fd >= 0) agent_workers_read_output(ws, w, w->err_fd);
+        linebuf_flush(&w->out, 1, w->rank);
+        linebuf_flush(&w->err, 2, w->rank);
+        close_fd(&w->out_fd);
+        close_fd(&w->err_fd);
+        close_fd(&w->ctl_fd);
+    }
+    free(ws->w);
+    memset(ws, 0, sizeof(*ws));
+}
+
+void agent_worker_describe(const agent_worker *w, char *out, size_t len)
+{
+    if (!w->exited) {
+        snprintf(out, len, "is running");
+    } else if (WIFEXITED(w->status)) {
+        snprintf(out, len, "exited with code %d", WEXITSTATUS(w->status));
+    } else if (WIFSIGNALED(w->status)) {
+        int sig = WTERMSIG(w->status);
+        const char *name = sigabbrev_np(sig);
+        snprintf(out, len, "was killed by SIG%s", name ? name : "?");
+    } else {
+        snprintf(out, len, "ended with status %d", w->status);
+    }
+}
