@@ -48,6 +48,8 @@ typedef struct etcd_config {
 typedef struct etcd_client etcd_client;
 
 etcd_err etcd_client_new(const etcd_config *cfg, etcd_client **out);
+/* The same, and on failure writes a one-line reason into err (may be NULL). */
+etcd_err etcd_client_new_err(const etcd_config *cfg, etcd_client **out, char *err, size_t errlen);
 void etcd_client_free(etcd_client *c);
 /* Detail of the last failed call on this client, for logs ("" if none). */
 const char *etcd_last_error(const etcd_client *c);
@@ -160,7 +162,11 @@ typedef struct etcd_watch etcd_watch;
 etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t start_revision,
                          etcd_watch **out);
 /* Waits up to timeout_ms for events. ETCD_OK with *n == 0 means the time
- * passed with none. The caller frees *events with etcd_events_free. */
+ * passed with none. The caller frees *events with etcd_events_free.
+ * ETCD_ERR_UNAVAILABLE: the stream has been down for longer than the
+ * client's timeout (the watch keeps trying; call again). ETCD_ERR_PROTOCOL /
+ * ETCD_ERR_TOO_LARGE: a bad message was dropped, the stream resumes after the
+ * last good event. COMPACTED, CANCELED, AUTH, TLS: the watch is over. */
 etcd_err etcd_watch_next(etcd_watch *w, int timeout_ms, etcd_event **events, size_t *n);
 void etcd_events_free(etcd_event *events, size_t n);
 /* Revision the watch will resume after (the last event's revision, or the

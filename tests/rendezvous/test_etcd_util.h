@@ -1,0 +1,95 @@
+/* test_etcd_util.h: small helpers shared by the etcd client tests.
+ *
+ * CHECK fails the test with the line and the client's last error; tests are
+ * plain programs that exit non-zero on the first failed check.
+ */
+#ifndef DUCTILE_TEST_ETCD_UTIL_H
+#define DUCTILE_TEST_ETCD_UTIL_H
+
+#include "etcd.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);               \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* An etcd call that must succeed. */
+#define CHECK_OK(c, call)                                                                          \
+    do {                                                                                           \
+        etcd_err e_ = (call);                                                                      \
+        if (e_ != ETCD_OK) {                                                                       \
+            fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #call, etcd_strerror(e_),  \
+                    etcd_last_error(c));                                                           \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* An etcd call that must fail with err. */
+#define CHECK_ERR(c, err, call)                                                                    \
+    do {                                                                                           \
+        etcd_err e_ = (call);                                                                      \
+        if (e_ != (err)) {                                                                         \
+            fprintf(stderr, "%s:%d: %s: got %s, want %s (%s)\n", __FILE__, __LINE__, #call,        \
+                    etcd_strerror(e_), etcd_strerror(err), etcd_last_error(c));                    \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static inline int64_t test_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static inline etcd_client *test_client(const char *endpoints, int timeout_ms)
+{
+    etcd_config cfg = {.endpoints = endpoints, .timeout_ms = timeout_ms};
+    etcd_client *c = NULL;
+    char err[256];
+    if (etcd_client_new_err(&cfg, &c, err, sizeof(err)) != ETCD_OK) {
+        fprintf(stderr, "etcd_client_new(%s): %s\n", endpoints, err);
+        exit(1);
+    }
+    return c;
+}
+
+/* Collect watch events until n have arrived or timeout_ms passed; returns
+ * how many arrived (the caller frees *out with etcd_events_free). */
+static inline size_t test_watch_collect(etcd_watch *w, size_t n, int timeout_ms, etcd_event **out,
+                                        etcd_err *last)
+{
+    etcd_event *all = NULL;
+    size_t got = 0;
+    int64_t end = test_now_ms() + timeout_ms;
+    *last = ETCD_OK;
+    while (got < n && test_now_ms() < end) {
+        etcd_event *ev;
+        size_t k;
+        etcd_err e = etcd_watch_next(w, (int)(end - test_now_ms()), &ev, &k);
+        if (e != ETCD_OK && e != ETCD_ERR_UNAVAILABLE) {
+            *last = e;
+            break;
+        }
+        if (!k) continue;
+        etcd_event *p = realloc(all, (got + k) * sizeof(*p));
+        CHECK(p);
+        all = p;
+        memcpy(all + got, ev, k * sizeof(*ev));
+        got += k;
+        free(ev);
+    }
+    *out = all;
+    return got;
+}
+
+#endif
