@@ -1,0 +1,166 @@
+/* test_comm_launch.c: one process per rank for the collectives tests (see
+ * test_comm_launch.h). Every child closes every socket end that is not its
+ * own, so killing a rank really closes its connections. */
+#include "test_comm_launch.h"
+
+#include "comm_impl.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+int64_t tc_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int tc_group_init(tc_group *g, int world, const char *etcd, const char *job, int64_t round)
+{
+    memset(g, 0, sizeof(*g));
+    if (world < 1 || world > TC_MAX_RANKS) return -1;
+    g->world = world;
+    g->etcd = etcd;
+    snprintf(g->job, sizeof(g->job), "%s", job ? job : "comm-test");
+    g->round = round;
+    g->timeout_ms = 30000;
+    for (int r = 0; r < TC_MAX_RANKS; r++)
+        g->pairs[r][0] = g->pairs[r][1] = -1;
+    void *m =
+        mmap(NULL, sizeof(tc_shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return -1;
+    g->shared = m;
+    memset(m, 0, sizeof(tc_shared));
+    return 0;
+}
+
+static void close_pairs(tc_group *g, int keep_left, int keep_right)
+{
+    for (int e = 0; e < TC_MAX_RANKS; e++)
+        for (int s = 0; s < 2; s++) {
+            int fd = g->pairs[e][s];
+            if (fd >= 0 && fd != keep_left && fd != keep_right) close(fd);
+            g->pairs[e][s] = -1;
+        }
+}
+
+/* In child r: keep only its own two ends, where tc_connect finds them. */
+static void close_pairs_except(tc_group *g, int r)
+{
+    int w = g->world;
+    int left = g->pairs[(r + w - 1) % w][1], right = g->pairs[r][0];
+    close_pairs(g, left, right);
+    g->pairs[(r + w - 1) % w][1] = left;
+    g->pairs[r][0] = right;
+}
+
+void tc_group_free(tc_group *g)
+{
+    close_pairs(g, -1, -1);
+    if (g->shared) munmap(g->shared, sizeof(tc_shared));
+    g->shared = NULL;
+}
+
+comm_err tc_connect(tc_group *g, int rank, comm **out)
+{
+    comm_config cfg = {0};
+    cfg.rank = rank;
+    cfg.world_size = g->world;
+    cfg.timeout_ms = g->timeout_ms;
+    cfg.chunk_bytes = g->chunk_bytes;
+    cfg.host = "127.0.0.1";
+    if (!g->etcd) {
+        int w = g->world;
+        int left = w > 1 ? g->pairs[(rank + w - 1) % w][1] : -1;
+        int right = w > 1 ? g->pairs[rank][0] : -1;
+        g->pairs[(rank + w - 1) % w][1] = -1;
+        g->pairs[rank][0] = -1;
+        return comm_ring_from_fds(&cfg, left, right, out);
+    }
+    rdzv_etcd e = {0};
+    e.endpoints = g->etcd;
+    rdzv_store *s = NULL;
+    rdzv_err re = rdzv_store_open(&e, g->job, g->round, &s);
+    if (re != RDZV_OK) {
+        fprintf(stderr, "rank %d: store open: %s\n", rank, rdzv_strerror(re));
+        return COMM_ERR_STORE;
+    }
+    cfg.store = s;
+    comm_err err = comm_ring_init(&cfg, out);
+    rdzv_store_close(s);
+    return err;
+}
+
+int tc_spawn(tc_group *g, tc_rank_fn fn, void *arg)
+{
+    int w = g->world;
+    if (!g->etcd && w > 1)
+        for (int r = 0; r < w; r++)
+            if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, g->pairs[r]) < 0) return -1;
+    fflush(NULL);
+    for (int r = 0; r < w; r++) {
+        pid_t pid = fork();
+        if (pid < 0) return -1;
+        if (pid == 0) {
+            if (!g->etcd && w > 1) close_pairs_except(g, r);
+            int rc = fn(g, r, arg);
+            fflush(NULL);
+            _exit(rc);
+        }
+        g->pids[r] = pid;
+    }
+    close_pairs(g, -1, -1);
+    return 0;
+}
+
+int tc_wait(tc_group *g, int timeout_s, int *status)
+{
+    int64_t deadline = tc_now_ms() + (int64_t)timeout_s * 1000;
+    int left = 0, bad = 0;
+    for (int r = 0; r < g->world; r++)
+        if (g->pids[r] > 0) left++;
+    while (left > 0) {
+        int st = 0;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid < 0 && errno != EINTR) break;
+        if (pid <= 0) {
+            if (tc_now_ms() > deadline) {
+                for (int r = 0; r < g->world; r++)
+                    if (g->pids[r] > 0) {
+                        fprintf(stderr, "rank %d did not finish in %d s: killed\n", r, timeout_s);
+                        kill(g->pids[r], SIGKILL);
+                    }
+                deadline = tc_now_ms() + 10000;
+                timeout_s = 10;
+            }
+            struct timespec ts = {0, 5 * 1000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        for (int r = 0; r < g->world; r++) {
+            if (g->pids[r] != pid) continue;
+            if (status) status[r] = st;
+            if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
+            g->pids[r] = 0;
+            left--;
+        }
+    }
+    return bad;
+}
+
+int tc_make_round_current(const char *etcd, const char *job, int64_t round)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd),
+             "ETCDCTL_API=3 etcdctl --endpoints=%s put /ductile/%s/epoch %lld >/dev/null", etcd,
+             job, (long long)round);
+    return system(cmd) == 0 ? 0 : -1;
+}

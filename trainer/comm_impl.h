@@ -1,0 +1,51 @@
+/* comm_impl.h: what a collectives backend provides (private to trainer/).
+ *
+ * comm.c owns the parts every backend shares: argument checks, the "dead
+ * after the first error" rule, the abort flag and the last error line. A
+ * backend fills a comm_ops table and embeds struct comm as its first member,
+ * so the generic layer and the backend share one allocation.
+ */
+#ifndef DUCTILE_COMM_IMPL_H
+#define DUCTILE_COMM_IMPL_H
+
+#include <stdatomic.h>
+
+#include "comm.h"
+
+typedef struct comm_ops {
+    const char *name; /* "ring", "nccl" */
+    comm_err (*allreduce_sum_f32)(comm *c, float *buf, size_t n);
+    comm_err (*broadcast)(comm *c, void *buf, size_t bytes, int root);
+    comm_err (*allgather)(comm *c, const void *send, size_t bytes, void *recv);
+    comm_err (*barrier)(comm *c);
+    /* Called from any thread after the abort flag is set: wake calls in flight. */
+    void (*abort)(comm *c);
+    /* Releases the backend's resources and the allocation itself. */
+    void (*destroy)(comm *c);
+} comm_ops;
+
+struct comm {
+    const comm_ops *ops;
+    int rank;
+    int world_size;
+    atomic_int aborted; /* set by comm_abort() from any thread */
+    comm_err dead;      /* first error; every later call returns it */
+    char last_error[256];
+};
+
+/* Fills the shared part of a new comm. */
+void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size);
+
+/* Records a one-line error (printf-style) and returns err; the first one wins. */
+comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* 1 once comm_abort() was called. */
+int comm_is_aborted(const comm *c);
+
+/* Test hook: a ring over already-connected stream sockets (left: receives
+ * from rank-1, right: sends to rank+1; AF_UNIX socketpairs work too). Takes
+ * ownership of both fds, also on failure. */
+comm_err comm_ring_from_fds(const comm_config *cfg, int left_fd, int right_fd, comm **out);
+
+#endif
