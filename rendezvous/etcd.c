@@ -395,7 +395,8 @@ static etcd_err map_grpc(int code, const char *msg, int http)
 {
     switch (code) {
     case 3: /* InvalidArgument */
-        if (strstr(msg, "authentication failed")) return ETCD_ERR_AUTH;
+        if (strstr(msg, "authentication failed") || strstr(msg, "user name is empty"))
+            return ETCD_ERR_AUTH;
         if (strstr(msg, "too large") || strstr(msg, "too many operations"))
             return ETCD_ERR_TOO_LARGE;
         return ETCD_ERR_ARG;
@@ -1039,6 +1040,8 @@ struct etcd_watch {
     int64_t down_since; /* when the stream was last not live; 0 while live */
     int tries;          /* failed connects in a row, for backoff */
     int reauthed;
+    int created_once;
+    char curlerr[CURL_ERROR_SIZE];
     atomic_int woken;
 };
 
@@ -1117,7 +1120,8 @@ static etcd_err stream_start(etcd_watch *w)
     curl_easy_setopt(w->stream, CURLOPT_WRITEFUNCTION, stream_write);
     curl_easy_setopt(w->stream, CURLOPT_WRITEDATA, w);
     curl_easy_setopt(w->stream, CURLOPT_CONNECTTIMEOUT_MS, (long)CONNECT_TIMEOUT_MS);
-    curl_easy_setopt(w->stream, CURLOPT_PRIVATE, w);
+    w->curlerr[0] = 0;
+    curl_easy_setopt(w->stream, CURLOPT_ERRORBUFFER, w->curlerr);
     w->status = 0;
     buf_reset(&w->in, ETCD_MAX_BIG_ANSWER);
     w->scanned = 0;
@@ -1186,15 +1190,25 @@ static void handle_msg(etcd_watch *w, const char *line, size_t len)
                         w->next_rev, m.compact_revision);
             w->last_rev = m.compact_revision;
             watch_die(w, ETCD_ERR_COMPACTED);
+        } else if (w->k.user && strstr(m.reason, "invalid auth token") && !w->reauthed) {
+            /* an auth failure is a cancel with a reason: log in again, once */
+            w->reauthed = 1;
+            free(w->k.token);
+            w->k.token = NULL;
+            conn_seterr(&w->k, "watch canceled by etcd: %s", m.reason);
+            watch_down(w);
         } else {
             conn_seterr(&w->k, "watch canceled by etcd: %s",
                         m.reason[0] ? m.reason : "(no reason)");
-            /* an auth failure shows up as a cancel with a reason */
-            watch_die(w, strstr(m.reason, "permission denied") ? ETCD_ERR_AUTH : ETCD_ERR_CANCELED);
+            int auth =
+                strstr(m.reason, "Unauthenticated") || strstr(m.reason, "PermissionDenied") ||
+                strstr(m.reason, "permission denied") || strstr(m.reason, "user name is empty");
+            watch_die(w, auth ? ETCD_ERR_AUTH : ETCD_ERR_CANCELED);
         }
     } else {
         if (m.created && w->state == W_CONNECTING) {
             w->state = W_LIVE;
+            w->created_once = 1;
             w->down_since = 0;
             w->tries = 0;
             w->reauthed = 0;
@@ -1249,7 +1263,7 @@ static void stream_done(etcd_watch *w, CURLcode cc)
         return;
     }
     if (is_tls_error(cc)) {
-        conn_seterr(&w->k, "watch %s: %s", ep, curl_easy_strerror(cc));
+        conn_seterr(&w->k, "watch %s: %s", ep, w->curlerr[0] ? w->curlerr : curl_easy_strerror(cc));
         watch_die(w, ETCD_ERR_TLS);
         return;
     }
@@ -1273,7 +1287,8 @@ static void stream_done(etcd_watch *w, CURLcode cc)
         conn_seterr(&w->k, "watch stream from %s ended%s", ep,
                     w->in.len ? " in the middle of a message" : "");
     } else {
-        conn_seterr(&w->k, "watch stream from %s: %s", ep, curl_easy_strerror(cc));
+        conn_seterr(&w->k, "watch stream from %s: %s", ep,
+                    w->curlerr[0] ? w->curlerr : curl_easy_strerror(cc));
     }
     watch_down(w); /* a resume sends what was lost with a partial message again */
 }
@@ -1282,8 +1297,9 @@ static void stream_done(etcd_watch *w, CURLcode cc)
 static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
 {
     for (;;) {
+        /* once created, even a cancel right after it is the caller's to read */
+        if (want_created && w->created_once) return ETCD_OK;
         if (w->state == W_DEAD) return w->dead_err;
-        if (want_created && w->state == W_LIVE) return ETCD_OK;
         if (want_created && w->pending != ETCD_OK) return w->pending;
         if (!want_created && (w->nqueue || w->pending != ETCD_OK)) return ETCD_OK;
         if (!want_created && atomic_exchange(&w->woken, 0)) return ETCD_OK;
@@ -1361,13 +1377,13 @@ etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t st
     /* wait for "created", so that every change after open is seen */
     int64_t deadline = now_ms() + c->timeout_ms;
     e = watch_pump(w, deadline, 1);
-    if (e == ETCD_OK && w->state != W_LIVE) {
+    if (e == ETCD_OK && !w->created_once) {
         e = ETCD_ERR_UNAVAILABLE;
-        conn_seterr(&w->k, "watch %s: not created before the deadline; last: %s", key,
-                    w->k.err[0] ? w->k.err : "no answer");
+        char why[sizeof(w->k.err)];
+        snprintf(why, sizeof(why), "%s", w->k.err[0] ? w->k.err : "no answer");
+        conn_seterr(&w->k, "watch %s: not created before the deadline; last: %s", key, why);
     }
     if (e != ETCD_OK) goto err;
-    w->pending = ETCD_OK;
     *out = w;
     return ETCD_OK;
 err:
