@@ -1,0 +1,162 @@
+/* status.c: a read-only view of a job for `ductile-agent status`.
+ *
+ * One txn of ranges gives a consistent picture (round record, live nodes,
+ * waiting nodes, job state, restart count) at a single etcd revision, so the
+ * status never shows, say, members of one round with the number of another.
+ */
+#include "rdzv_internal.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void rdzv_status_free(rdzv_status *s)
+{
+    if (!s) return;
+    for (int i = 0; i < s->nmembers; i++) {
+        free(s->members[i].node_id);
+        free(s->members[i].addr);
+    }
+    free(s->members);
+    for (int i = 0; i < s->nnodes; i++)
+        free(s->nodes[i]);
+    free(s->nodes);
+    for (int i = 0; i < s->nwaiting; i++)
+        free(s->waiting[i]);
+    free(s->waiting);
+    memset(s, 0, sizeof(*s));
+}
+
+static rdzv_err names(const etcd_range_result *rr, char ***out, int *n)
+{
+    *out = rr->n ? calloc(rr->n, sizeof(char *)) : NULL;
+    if (rr->n && !*out) return RDZV_ERR_NOMEM;
+    for (size_t i = 0; i < rr->n; i++) {
+        const char *slash = strrchr(rr->kvs[i].key, '/');
+        (*out)[i] = strdup(slash ? slash + 1 : rr->kvs[i].key);
+        if (!(*out)[i]) return RDZV_ERR_NOMEM;
+        (*n)++;
+    }
+    return RDZV_OK;
+}
+
+rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *out, char *msg)
+{
+    char scratch[RDZV_MSG_MAX];
+    if (!msg) msg = scratch;
+    msg[0] = '\0';
+    if (!etcd || !out) return RDZV_ERR_ARG;
+    memset(out, 0, sizeof(*out));
+    snprintf(out->job_state, sizeof(out->job_state), "none");
+    if (!rdzv_job_id_valid(job)) {
+        snprintf(msg, RDZV_MSG_MAX, "job id must match [a-z0-9][a-z0-9-]{0,62}");
+        return RDZV_ERR_ARG;
+    }
+    etcd_client *c = NULL;
+    rdzv_err err = rdzv_etcd_connect(etcd, &c, msg);
+    if (err != RDZV_OK) return err;
+    char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], state[RDZV_KEY_MAX];
+    rdzv_key(round, sizeof(round), job, "round");
+    rdzv_key(nodes, sizeof(nodes), job, "nodes/");
+    rdzv_key(waiting, sizeof(waiting), job, "waiting/");
+    rdzv_key(state, sizeof(state), job, "state");
+    etcd_op ops[4] = {
+        {.type = ETCD_OP_RANGE, .key = round},
+        {.type = ETCD_OP_RANGE, .key = nodes, .prefix = 1},
+        {.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1},
+        {.type = ETCD_OP_RANGE, .key = state},
+    };
+    etcd_txn_result res;
+    etcd_err e = etcd_txn(c, NULL, 0, ops, 4, NULL, 0, &res);
+    if (e != ETCD_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: %s", etcd->endpoints,
+                 etcd_last_error(c)[0] ? etcd_last_error(c) : etcd_strerror(e));
+        etcd_client_free(c);
+        return RDZV_ERR_ETCD;
+    }
+    etcd_client_free(c);
+    if (res.n != 4) {
+        etcd_txn_result_free(&res);
+        snprintf(msg, RDZV_MSG_MAX, "etcd answered a 4-range txn with %zu results", res.n);
+        return RDZV_ERR_PROTOCOL;
+    }
+    if (res.ranges[0].n > 0) {
+        rdzv_record rec;
+        err = rdzv_record_parse(res.ranges[0].kvs[0].value, res.ranges[0].kvs[0].value_len, &rec);
+        if (err != RDZV_OK) {
+            snprintf(msg, RDZV_MSG_MAX, "malformed round record under %.200s", round);
+            goto out;
+        }
+        out->round = rec.number;
+        snprintf(out->round_state, sizeof(out->round_state), "%s", rec.frozen ? "frozen" : "open");
+        out->restarts = rec.restarts;
+        out->max_restarts = rec.max_restarts;
+        snprintf(out->job_state, sizeof(out->job_state), "%s", rec.job);
+        if (rec.frozen) {
+            rdzv_round rr;
+            err = rdzv_record_to_round(&rec, NULL, &rr);
+            if (err == RDZV_OK) {
+                out->nmembers = rr.nmembers;
+                out->members = rr.members;
+            }
+        }
+        if (strcmp(rec.job, "failed") == 0)
+            snprintf(out->reason, sizeof(out->reason), "%s", rec.reason);
+        rdzv_record_free(&rec);
+        if (err != RDZV_OK) goto out;
+    }
+    if (res.ranges[3].n > 0) {
+        cJSON *o =
+            cJSON_ParseWithLength(res.ranges[3].kvs[0].value, res.ranges[3].kvs[0].value_len);
+        const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "state");
+        const cJSON *why = cJSON_GetObjectItemCaseSensitive(o, "reason");
+        if (cJSON_IsString(st) && strlen(st->valuestring) < sizeof(out->job_state))
+            snprintf(out->job_state, sizeof(out->job_state), "%s", st->valuestring);
+        if (cJSON_IsString(why) && why->valuestring[0])
+            snprintf(out->reason, sizeof(out->reason), "%s", why->valuestring);
+        cJSON_Delete(o);
+    }
+    if ((err = names(&res.ranges[1], &out->nodes, &out->nnodes)) != RDZV_OK) goto out;
+    err = names(&res.ranges[2], &out->waiting, &out->nwaiting);
+out:
+    etcd_txn_result_free(&res);
+    if (err != RDZV_OK) rdzv_status_free(out);
+    return err;
+}
+
+char *rdzv_status_json(const rdzv_status *s)
+{
+    if (!s) return NULL;
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "job_state", s->job_state);
+    if (s->reason[0]) cJSON_AddStringToObject(o, "reason", s->reason);
+    cJSON_AddNumberToObject(o, "round", (double)s->round);
+    cJSON_AddStringToObject(o, "round_state", s->round_state);
+    cJSON_AddNumberToObject(o, "restarts", (double)s->restarts);
+    cJSON_AddNumberToObject(o, "max_restarts", s->max_restarts);
+    cJSON *ms = cJSON_AddArrayToObject(o, "members");
+    int world = 0;
+    for (int i = 0; ms && i < s->nmembers; i++) {
+        cJSON *m = cJSON_CreateObject();
+        if (!m) break;
+        cJSON_AddStringToObject(m, "node", s->members[i].node_id);
+        cJSON_AddStringToObject(m, "addr", s->members[i].addr);
+        cJSON_AddNumberToObject(m, "rank", s->members[i].rank);
+        cJSON_AddNumberToObject(m, "local_world_size", s->members[i].local_world_size);
+        cJSON_AddNumberToObject(m, "first_global_rank", s->members[i].first_global_rank);
+        world += s->members[i].local_world_size;
+        cJSON_AddItemToArray(ms, m);
+    }
+    cJSON_AddNumberToObject(o, "world_size", world);
+    cJSON *nodes = cJSON_AddArrayToObject(o, "nodes");
+    for (int i = 0; nodes && i < s->nnodes; i++)
+        cJSON_AddItemToArray(nodes, cJSON_CreateString(s->nodes[i]));
+    cJSON *waiting = cJSON_AddArrayToObject(o, "waiting");
+    for (int i = 0; waiting && i < s->nwaiting; i++)
+        cJSON_AddItemToArray(waiting, cJSON_CreateString(s->waiting[i]));
+    char *out = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return out;
+}

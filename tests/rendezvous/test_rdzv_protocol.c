@@ -1,0 +1,416 @@
+/* test_rdzv_protocol: the rendezvous protocol, end to end.
+ *
+ *   test_rdzv_protocol SCENARIO
+ *
+ * Each scenario starts its own etcd and real participant processes
+ * (rdzv_participant), drives them (start, SIGKILL, leave, report a failure,
+ * finish, restart etcd) and checks what every one of them reports. Every
+ * scenario ends by checking agreement: no two participants ever saw
+ * different memberships for the same round number. Time bounds here are
+ * correctness bounds (e.g. "before the lease TTL"), kept generous.
+ */
+#include "test_etcd.h"
+#include "test_rdzv_procs.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifndef RDZV_PARTICIPANT
+#error "RDZV_PARTICIPANT must name the participant program"
+#endif
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+#define LINE 4096
+
+/* Waits for FROZEN from each of procs[0..n-1]; fills lines; checks they
+ * agree on round and members, that ranks are dense and unique and that the
+ * world size is the sum of local world sizes (lws each). */
+static int expect_round(tp_set *s, const int *procs, int n, int lws, int timeout_ms,
+                        char lines[][LINE])
+{
+    char *seen = calloc((size_t)n, 1);
+    CHECK(seen, "calloc");
+    for (int k = 0; k < n; k++) {
+        if (tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) != 0) {
+            free(seen);
+            CHECK(0, "process %d did not report a frozen round", procs[k]);
+        }
+    }
+    char members0[LINE];
+    tp_field(lines[0], "members", members0, sizeof(members0));
+    long long round0 = tp_ifield(lines[0], "round");
+    int bad = 0;
+    for (int k = 0; k < n; k++) {
+        char members[LINE];
+        tp_field(lines[k], "members", members, sizeof(members));
+        long long rank = tp_ifield(lines[k], "rank");
+        if (tp_ifield(lines[k], "round") != round0 || strcmp(members, members0) != 0) bad = 1;
+        if (tp_ifield(lines[k], "nmembers") != n ||
+            tp_ifield(lines[k], "world") != (long long)n * lws)
+            bad = 2;
+        if (rank < 0 || rank >= n || seen[rank])
+            bad = 3;
+        else
+            seen[rank] = 1;
+        if (tp_ifield(lines[k], "first") != rank * lws) bad = 4;
+    }
+    free(seen);
+    if (bad) {
+        for (int k = 0; k < n; k++)
+            fprintf(stderr, "    %s\n", lines[k]);
+        CHECK(0, "inconsistent round (reason %d)", bad);
+    }
+    return 0;
+}
+
+static char (*lines_alloc(void))[LINE]
+{
+    return calloc(32, LINE);
+}
+
+/* members list of a FROZEN line without `node`, as a string */
+static void without(const char *members, const char *node, char *out, size_t len)
+{
+    char copy[LINE];
+    snprintf(copy, sizeof(copy), "%s", members);
+    out[0] = '\0';
+    char *save = NULL;
+    for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (strcmp(t, node) == 0) continue;
+        size_t l = strlen(out);
+        snprintf(out + l, len - l, "%s%s", l ? "," : "", t);
+    }
+}
+
+/* ---- scenarios ---- */
+
+static int sc_form(tp_set *s)
+{
+    char(*lines)[LINE] = lines_alloc();
+    CHECK(lines, "calloc");
+    int ids[32];
+    char node[32];
+    /* one participant, alone */
+    snprintf(s->job, sizeof(s->job), "form-one");
+    ids[0] = tp_spawn(s, "solo", "--min 1 --max 1 --lws 3");
+    if (expect_round(s, ids, 1, 3, 20000, lines) != 0) return 1;
+    CHECK(tp_ifield(lines[0], "round") == 1, "%s", lines[0]);
+
+    /* sixteen, min = max = 16: frozen at once when the 16th joins */
+    snprintf(s->job, sizeof(s->job), "form-sixteen");
+    for (int i = 0; i < 16; i++) {
+        snprintf(node, sizeof(node), "n%02d", i);
+        ids[i] = tp_spawn(s, node, "--min 16 --max 16 --lws 2 --last-call-ms 60000");
+    }
+    if (expect_round(s, ids, 16, 2, 60000, lines) != 0) return 1;
+
+    /* min 2, max 4, last call: three that start together all get in */
+    snprintf(s->job, sizeof(s->job), "form-lastcall");
+    for (int i = 0; i < 3; i++) {
+        snprintf(node, sizeof(node), "lc%d", i);
+        ids[i] = tp_spawn(s, node, "--min 2 --max 4 --last-call-ms 2000");
+    }
+    if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
+
+    /* below min nothing freezes, and the join timeout says so */
+    snprintf(s->job, sizeof(s->job), "form-short");
+    ids[0] = tp_spawn(s, "lonely", "--min 2 --max 2 --join-timeout-ms 1500");
+    char line[LINE];
+    CHECK(tp_expect(s, ids[0], "ERROR", 20000, line, sizeof(line)) == 0, "no join timeout");
+    char err[64];
+    tp_field(line, "err", err, sizeof(err));
+    CHECK(strcmp(err, "timeout") == 0, "%s", line);
+    free(lines);
+    return 0;
+}
+
+/* Starts n participants of one job and waits for their first round. */
+static int start_round(tp_set *s, int n, const char *opts, int *ids, char lines[][LINE])
+{
+    char node[32];
+    for (int i = 0; i < n; i++) {
+        snprintf(node, sizeof(node), "p%d", i);
+        ids[i] = tp_spawn(s, node, opts);
+        CHECK(ids[i] >= 0, "spawn");
+    }
+    return expect_round(s, ids, n, 1, 60000, lines);
+}
+
+/* Index (in ids) of the process holding `rank` in a set of FROZEN lines. */
+static int holder(char lines[][LINE], int n, int rank)
+{
+    for (int k = 0; k < n; k++)
+        if (tp_ifield(lines[k], "rank") == rank) return k;
+    return -1;
+}
+
+/* After member `gone` (index into ids) ended the round: the others report
+ * the end with `cause`, then a round without it, old order kept. */
+static int expect_survivors(tp_set *s, int *ids, int n, int gone, const char *cause,
+                            char lines[][LINE], double t0, double bound_s)
+{
+    char members[LINE], expect[LINE], line[LINE];
+    tp_field(lines[0], "members", members, sizeof(members));
+    without(members, s->procs[ids[gone]].node, expect, sizeof(expect));
+    int rest[32], m = 0;
+    for (int k = 0; k < n; k++)
+        if (k != gone) rest[m++] = ids[k];
+    for (int k = 0; k < m; k++) {
+        CHECK(tp_expect(s, rest[k], "ENDED", (int)(bound_s * 1000), line, sizeof(line)) == 0,
+              "no end of round");
+        double dt = tp_now() - t0;
+        char c[64], by[64];
+        tp_field(line, "cause", c, sizeof(c));
+        tp_field(line, "by", by, sizeof(by));
+        CHECK(strcmp(c, cause) == 0 && strcmp(by, s->procs[ids[gone]].node) == 0, "%s", line);
+        CHECK(dt < bound_s, "noticed after %.1f s (bound %.1f s)", dt, bound_s);
+    }
+    char(*after)[LINE] = lines_alloc();
+    CHECK(after, "calloc");
+    if (expect_round(s, rest, m, 1, 30000, after) != 0) return 1;
+    char now[LINE];
+    tp_field(after[0], "members", now, sizeof(now));
+    CHECK(strcmp(now, expect) == 0, "survivors' order changed: was %s, now %s", members, now);
+    for (int k = 0; k < m; k++)
+        snprintf(lines[k], LINE, "%s", after[k]);
+    free(after);
+    return 0;
+}
+
+static int sc_kill(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "kill");
+    char(*lines)[LINE] = lines_alloc();
+    int ids[8];
+    if (start_round(s, 4, "--min 2 --max 4 --ttl 3 --last-call-ms 300", ids, lines) != 0) return 1;
+    int victim = holder(lines, 4, 1);
+    CHECK(victim >= 0, "no rank 1");
+    double t0 = tp_now();
+    tp_kill(s, ids[victim], SIGKILL);
+    /* the lease TTL (3 s) bounds the detection; etcd checks expiry at
+     * intervals, so allow it a little more */
+    int rc = expect_survivors(s, ids, 4, victim, "member_lost", lines, t0, 3.0 + 3.0);
+    free(lines);
+    return rc;
+}
+
+static int sc_leave(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "leave");
+    char(*lines)[LINE] = lines_alloc();
+    int ids[8];
+    /* TTL 30 s: a clean leave must be seen long before the lease could expire */
+    if (start_round(s, 4, "--min 2 --max 4 --ttl 30 --last-call-ms 300", ids, lines) != 0) return 1;
+    int who = holder(lines, 4, 2);
+    CHECK(who >= 0, "no rank 2");
+    double t0 = tp_now();
+    CHECK(tp_send(s, ids[who], "leave") == 0, "send");
+    char line[LINE];
+    CHECK(tp_expect(s, ids[who], "LEFT", 10000, line, sizeof(line)) == 0, "no LEFT");
+    CHECK(strstr(line, "rc=ok") != NULL, "%s", line);
+    int rc = expect_survivors(s, ids, 4, who, "member_left", lines, t0, 10.0);
+    free(lines);
+    return rc;
+}
+
+static int sc_waiting(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "waiting");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE], members[LINE];
+    const char *opts = "--min 2 --max 3 --ttl 30 --last-call-ms 300";
+    int ids[8];
+    if (start_round(s, 2, opts, ids, lines) != 0) return 1;
+    char first[LINE];
+    tp_field(lines[0], "members", first, sizeof(first));
+
+    /* a third node: there is room, so a new round opens and takes it in */
+    ids[2] = tp_spawn(s, "p2", opts);
+    for (int k = 0; k < 2; k++) {
+        CHECK(tp_expect(s, ids[k], "ENDED", 20000, line, sizeof(line)) == 0, "no end");
+        CHECK(strstr(line, "cause=node_waiting") && strstr(line, "by=p2"), "%s", line);
+    }
+    if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
+    tp_field(lines[0], "members", members, sizeof(members));
+    char expect[LINE];
+    snprintf(expect, sizeof(expect), "%.4000s,p2", first);
+    CHECK(strcmp(members, expect) == 0, "old members keep their order, newcomer last: %s", members);
+
+    /* a fourth: the round is full, it is a hot spare */
+    ids[3] = tp_spawn(s, "p3", opts);
+    CHECK(tp_expect(s, ids[3], "SPARE", 20000, line, sizeof(line)) == 0, "no SPARE");
+
+    /* a member leaves: the spare is in the next round at once */
+    int who = holder(lines, 3, 0);
+    CHECK(tp_send(s, ids[who], "leave") == 0, "send");
+    int rest[3], m = 0;
+    for (int k = 0; k < 4; k++)
+        if (k != who) rest[m++] = ids[k];
+    if (expect_round(s, rest, 3, 1, 30000, lines) != 0) return 1;
+    tp_field(lines[0], "members", members, sizeof(members));
+    char kept[LINE];
+    without(expect, s->procs[ids[who]].node, kept, sizeof(kept));
+    snprintf(expect, sizeof(expect), "%.4000s,p3", kept);
+    CHECK(strcmp(members, expect) == 0, "expected %s, got %s", expect, members);
+    free(lines);
+    return 0;
+}
+
+static int sc_failure(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "failure");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE];
+    int ids[4];
+    if (start_round(s, 3, "--min 3 --max 3 --ttl 30 --max-restarts 1", ids, lines) != 0) return 1;
+    CHECK(tp_ifield(lines[0], "restarts") == 0, "%s", lines[0]);
+    CHECK(tp_send(s, ids[0], "fail worker 3 exited with status 1") == 0, "send");
+    CHECK(tp_expect(s, ids[0], "REPORTED", 10000, line, sizeof(line)) == 0, "no REPORTED");
+    CHECK(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "%s", line);
+    for (int k = 0; k < 3; k++) {
+        CHECK(tp_expect(s, ids[k], "ENDED", 10000, line, sizeof(line)) == 0, "no end");
+        CHECK(strstr(line, "cause=failure"), "%s", line);
+    }
+    if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
+    for (int k = 0; k < 3; k++)
+        CHECK(tp_ifield(lines[k], "restarts") == 1, "%s", lines[k]);
+    /* a second failure is past max_restarts = 1: the job fails everywhere */
+    CHECK(tp_send(s, ids[1], "fail again") == 0, "send");
+    for (int k = 0; k < 3; k++) {
+        CHECK(tp_expect(s, ids[k], "JOB_FAILED", 10000, line, sizeof(line)) == 0, "no JOB_FAILED");
+        CHECK(strstr(line, "restart_limit"), "%s", line);
+    }
+    /* and a node that starts later is told so at once */
+    int late = tp_spawn(s, "late", "--min 3 --max 3");
+    CHECK(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
+    CHECK(strstr(line, "err=job_failed"), "%s", line);
+    free(lines);
+    return 0;
+}
+
+static int sc_finish(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "finish");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE];
+    int ids[4];
+    if (start_round(s, 3, "--min 3 --max 3 --ttl 30", ids, lines) != 0) return 1;
+    CHECK(tp_send(s, ids[2], "finish") == 0, "send");
+    for (int k = 0; k < 3; k++)
+        CHECK(tp_expect(s, ids[k], "JOB_DONE", 10000, line, sizeof(line)) == 0, "no JOB_DONE");
+    int late = tp_spawn(s, "late", "--min 3 --max 3");
+    CHECK(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
+    CHECK(strstr(line, "err=job_done"), "%s", line);
+    free(lines);
+    return 0;
+}
+
+static int sc_etcd_restart(tp_set *s, test_etcd *e)
+{
+    snprintf(s->job, sizeof(s->job), "etcd-restart");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE];
+    const char *opts = "--min 3 --max 3 --ttl 10 --join-timeout-ms 60000";
+    int ids[3];
+    ids[0] = tp_spawn(s, "p0", opts);
+    ids[1] = tp_spawn(s, "p1", opts);
+    for (int k = 0; k < 2; k++)
+        CHECK(tp_expect(s, ids[k], "OPEN", 20000, line, sizeof(line)) == 0, "no OPEN");
+    /* both have joined round 1 and wait for a third; etcd goes away */
+    test_etcd_kill(e);
+    usleep(1500 * 1000);
+    CHECK(test_etcd_restart(e) == 0, "etcd restart");
+    ids[2] = tp_spawn(s, "p2", opts);
+    if (expect_round(s, ids, 3, 1, 60000, lines) != 0) return 1;
+    free(lines);
+    return 0;
+}
+
+static int sc_errors(tp_set *s)
+{
+    char line[LINE], err[64];
+    /* the same node id twice while the first is alive */
+    snprintf(s->job, sizeof(s->job), "dup");
+    int a = tp_spawn(s, "twin", "--min 2 --max 2");
+    CHECK(tp_expect(s, a, "OPEN", 20000, line, sizeof(line)) == 0, "first open");
+    int b = tp_spawn(s, "twin", "--min 2 --max 2");
+    CHECK(tp_expect(s, b, "OPEN_ERR", 20000, line, sizeof(line)) == 0, "second open");
+    tp_field(line, "err", err, sizeof(err));
+    CHECK(strcmp(err, "duplicate") == 0, "%s", line);
+
+    /* bad configuration: one clear line, no crash */
+    int c = tp_spawn(s, "bad", "--min 3 --max 2");
+    CHECK(tp_expect(s, c, "OPEN_ERR", 20000, line, sizeof(line)) == 0, "bad config");
+    CHECK(strstr(line, "err=arg"), "%s", line);
+
+    /* etcd not there at all: a clear error within the deadline */
+    tp_set down;
+    char ep[64];
+    snprintf(ep, sizeof(ep), "http://127.0.0.1:%d", test_free_port());
+    tp_init(&down, s->exe, ep, "down");
+    double t0 = tp_now();
+    int d = tp_spawn(&down, "x", "--etcd-timeout-ms 2000");
+    int got = tp_expect(&down, d, "OPEN_ERR", 20000, line, sizeof(line));
+    double dt = tp_now() - t0;
+    tp_free(&down);
+    CHECK(got == 0, "no error with etcd down");
+    tp_field(line, "err", err, sizeof(err));
+    CHECK(strcmp(err, "etcd") == 0 && strstr(line, "127.0.0.1"), "%s", line);
+    CHECK(dt < 12.0, "took %.1f s with a 2 s etcd deadline", dt);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s form|kill|leave|waiting|failure|finish|etcd-restart|errors\n",
+                argv[0]);
+        return 2;
+    }
+    const char *sc = argv[1];
+    test_etcd e;
+    if (test_etcd_start(&e) != 0) return 1;
+    tp_set s;
+    tp_init(&s, RDZV_PARTICIPANT, e.endpoint, "job");
+    int rc;
+    if (!strcmp(sc, "form"))
+        rc = sc_form(&s);
+    else if (!strcmp(sc, "kill"))
+        rc = sc_kill(&s);
+    else if (!strcmp(sc, "leave"))
+        rc = sc_leave(&s);
+    else if (!strcmp(sc, "waiting"))
+        rc = sc_waiting(&s);
+    else if (!strcmp(sc, "failure"))
+        rc = sc_failure(&s);
+    else if (!strcmp(sc, "finish"))
+        rc = sc_finish(&s);
+    else if (!strcmp(sc, "etcd-restart"))
+        rc = sc_etcd_restart(&s, &e);
+    else if (!strcmp(sc, "errors"))
+        rc = sc_errors(&s);
+    else {
+        fprintf(stderr, "unknown scenario %s\n", sc);
+        rc = 2;
+    }
+    if (rc == 0 && tp_check_agreement(&s) != 0) {
+        fprintf(stderr, "FAIL: participants disagree on a round's membership\n");
+        rc = 1;
+    }
+    tp_free(&s);
+    test_etcd_stop(&e);
+    if (rc == 0) printf("ok %s\n", sc);
+    return rc;
+}
