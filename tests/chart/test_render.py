@@ -1,0 +1,173 @@
+"""Every job file and CI value file renders, and every object is valid Kubernetes.
+
+Each rendered object is checked offline and strictly (unknown fields are
+errors) against the Kubernetes OpenAPI schemas that kubernetes-validate
+ships, for the oldest Kubernetes the chart supports and the newest the
+package knows. The ServiceMonitor is a CRD, for which kubernetes-validate
+has no schema: it gets a structural check against the fields of the
+Prometheus Operator's monitoring.coreos.com/v1 that the chart uses.
+"""
+
+import jsonschema
+import kubernetes_validate
+import pytest
+
+from conftest import CI_VALUES, EXAMPLE_JOBS, RELEASE, NAMESPACE, strip_source
+
+KUBE_VERSIONS = ["1.30", kubernetes_validate.utils.latest_version()]
+VALUE_FILES = [None] + CI_VALUES + EXAMPLE_JOBS
+IDS = ["defaults"] + [f"ci/{p.name}" for p in CI_VALUES] + [f"jobs/{p.name}" for p in EXAMPLE_JOBS]
+
+STANDARD_LABELS = ["helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
+                   "app.kubernetes.io/version", "app.kubernetes.io/managed-by",
+                   "app.kubernetes.io/component", "app.kubernetes.io/part-of"]
+
+# The subset of monitoring.coreos.com/v1 ServiceMonitor the chart writes;
+# anything else (a typo, a field in the wrong place) fails.
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+SERVICE_MONITOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object", "additionalProperties": False, "required": ["name", "namespace"],
+            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                           "labels": _LABELS, "annotations": _LABELS},
+        },
+        "spec": {
+            "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": {"type": "object", "additionalProperties": False,
+                             "required": ["matchLabels"], "properties": {"matchLabels": _LABELS}},
+                "namespaceSelector": {"type": "object", "additionalProperties": False,
+                                      "properties": {"matchNames": {"type": "array",
+                                                                    "items": {"type": "string"}}}},
+                "endpoints": {
+                    "type": "array", "minItems": 1,
+                    "items": {"type": "object", "additionalProperties": False, "required": ["port"],
+                              "properties": {
+                                  "port": {"type": "string"},
+                                  "path": {"type": "string", "pattern": "^/"},
+                                  "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                                  "scrapeTimeout": {"type": "string",
+                                                    "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+            },
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module", params=VALUE_FILES, ids=IDS)
+def rendered(request, render):
+    return render(request.param)
+
+
+def test_renders_workers_and_notes(rendered):
+    assert rendered.workers()["kind"] == "StatefulSet"
+    assert "helm" in rendered.notes and "uninstall" in rendered.notes
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_objects_valid_kubernetes_strict(rendered, kube):
+    checked = 0
+    for obj in rendered.all():
+        obj = strip_source(obj)
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: test_service_monitor_structure
+        try:
+            kubernetes_validate.validate(obj, kube, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            where = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes "
+                        f"{kube} at {where}: {e.message}")
+        checked += 1
+    assert checked >= 4
+
+
+def test_strict_validation_catches_an_unknown_field(render):
+    sts = strip_source(render().workers())
+    sts["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
+        kubernetes_validate.validate(sts, KUBE_VERSIONS[0], strict=True)
+
+
+def test_service_monitor_structure(rendered):
+    monitors = rendered.of_kind("ServiceMonitor")
+    for sm in monitors:
+        jsonschema.validate(strip_source(sm), SERVICE_MONITOR)
+        # It must select the workers' Service and name a port that Service has.
+        service = rendered.one("Service", "-worker")
+        labels = service["metadata"]["labels"]
+        for k, v in sm["spec"]["selector"]["matchLabels"].items():
+            assert labels.get(k) == v, f"ServiceMonitor selector {k}={v} misses the Service"
+        ports = {p["name"] for p in service["spec"]["ports"]}
+        for ep in sm["spec"]["endpoints"]:
+            assert ep["port"] in ports
+            assert ep["path"] == "/metrics"
+
+
+def test_service_monitor_check_catches_a_typo(render):
+    sm = render({"serviceMonitor": {"enabled": True}}).one("ServiceMonitor")
+    sm = strip_source(sm)
+    sm["spec"]["endpoints"][0]["intervall"] = "30s"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(sm, SERVICE_MONITOR)
+
+
+def test_standard_labels_everywhere(rendered):
+    for obj in rendered.all():
+        labels = obj["metadata"].get("labels") or {}
+        missing = [k for k in STANDARD_LABELS if k not in labels]
+        assert not missing, f"{obj['kind']}/{obj['metadata']['name']} lacks labels {missing}"
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"].startswith("ductile-")
+        assert obj["metadata"]["namespace"] == NAMESPACE
+
+
+def test_names_unique_and_valid(rendered):
+    seen = set()
+    for obj in rendered.all():
+        key = (obj["kind"], obj["metadata"]["name"])
+        assert key not in seen, f"two objects {key}"
+        seen.add(key)
+        assert len(obj["metadata"]["name"]) <= 63
+
+
+def test_selectors_match_their_pods(rendered):
+    for sts in rendered.of_kind("StatefulSet"):
+        pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+        for k, v in sts["spec"]["selector"]["matchLabels"].items():
+            assert pod_labels.get(k) == v
+        # The governing Service exists, is headless and selects these pods.
+        svc = rendered.one("Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+        assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    for pdb in rendered.of_kind("PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert any(all(s["spec"]["template"]["metadata"]["labels"].get(k) == v
+                       for k, v in sel.items()) for s in rendered.of_kind("StatefulSet"))
+
+
+def test_pod_volumes_and_mounts_agree(rendered):
+    pods = [s["spec"]["template"]["spec"] for s in rendered.of_kind("StatefulSet")]
+    pods += [p["spec"] for p in rendered.of_kind("Pod")]
+    claim_templates = {s["metadata"]["name"]: {t["metadata"]["name"]
+                                               for t in s["spec"].get("volumeClaimTemplates", [])}
+                       for s in rendered.of_kind("StatefulSet")}
+    all_templates = set().union(*claim_templates.values()) if claim_templates else set()
+    for spec in pods:
+        volumes = {v["name"] for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in volumes or m["name"] in all_templates, \
+                    f"mount {m['name']} has no volume"
+    # A claim the chart creates is the one the workers use.
+    for pvc in rendered.of_kind("PersistentVolumeClaim"):
+        used = [v for spec in pods for v in spec.get("volumes", [])
+                if v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]]
+        assert used, f"PVC {pvc['metadata']['name']} is mounted by no pod"

@@ -1,0 +1,248 @@
+"""Bad job files are rejected with a message that names the problem.
+
+One case per rule. Rules on one value live in values.schema.json (Helm
+reports "at '/path': ..."); rules across values live in
+templates/_validate.tpl (Helm reports the template's `fail` message). Each
+case starts from a valid job, breaks exactly one thing, and checks both
+that the render fails and that the message points at what was broken.
+"""
+
+import copy
+
+import helm_python as helm
+import pytest
+
+from conftest import EXAMPLE_JOBS, load_values
+
+GOOD = {
+    "job": {"name": "good", "minNodes": 1, "maxNodes": 4,
+            "command": ["ductile-train", "--model", "mlp"]},
+    "workers": {"replicas": 2},
+}
+
+
+def merged(base, patch):
+    out = copy.deepcopy(base)
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merged(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# (id, patch onto GOOD, fragments the error must contain)
+SCHEMA_RULES = [
+    ("job-name-uppercase", {"job": {"name": "Train_1"}}, ["/job/name", "Train_1"]),
+    ("job-name-too-long", {"job": {"name": "a" * 64}}, ["/job/name"]),
+    ("job-name-leading-dash", {"job": {"name": "-x"}}, ["/job/name"]),
+    ("typo-top-level", {"wrokers": {"replicas": 2}}, ["additional properties 'wrokers'"]),
+    ("typo-in-job", {"job": {"minNode": 1}}, ["/job", "'minNode'"]),
+    ("typo-in-workers", {"workers": {"gpuPerNode": 1}}, ["/workers", "'gpuPerNode'"]),
+    ("typo-in-etcd", {"etcd": {"replica": 3}}, ["/etcd", "'replica'"]),
+    ("image-repository-with-space", {"image": {"repository": "my image"}}, ["/image/repository"]),
+    ("image-repository-with-tag", {"image": {"repository": "ductile:1.0"}}, ["/image/repository"]),
+    ("image-repository-empty", {"image": {"repository": ""}}, ["/image/repository"]),
+    ("image-tag-invalid", {"image": {"tag": "v1 beta"}}, ["/image/tag"]),
+    ("image-digest-invalid", {"image": {"digest": "sha256:xyz"}}, ["/image/digest"]),
+    ("image-pull-policy", {"image": {"pullPolicy": "Sometimes"}}, ["/image/pullPolicy"]),
+    ("min-nodes-zero", {"job": {"minNodes": 0}}, ["/job/minNodes"]),
+    ("replicas-negative", {"workers": {"replicas": -1}}, ["/workers/replicas"]),
+    ("replicas-not-integer", {"workers": {"replicas": "two"}}, ["/workers/replicas"]),
+    ("gpus-negative", {"workers": {"gpusPerNode": -1}}, ["/workers/gpusPerNode"]),
+    ("gpus-too-many", {"workers": {"gpusPerNode": 17}}, ["/workers/gpusPerNode"]),
+    ("gpus-fractional", {"workers": {"gpusPerNode": 0.5}}, ["/workers/gpusPerNode"]),
+    ("command-empty", {"job": {"command": []}}, ["/job/command"]),
+    ("command-not-list", {"job": {"command": "ductile-train --model mlp"}}, ["/job/command"]),
+    ("command-blank-program", {"job": {"command": [""]}}, ["/job/command/0"]),
+    ("command-not-strings", {"job": {"command": ["ductile-train", 5]}}, ["/job/command/1"]),
+    ("rebuild-unknown", {"job": {"rebuild": "reboot"}}, ["/job/rebuild"]),
+    ("log-format-unknown", {"job": {"logFormat": "xml"}}, ["/job/logFormat"]),
+    ("lease-ttl-too-small", {"job": {"leaseTTL": 1}}, ["/job/leaseTTL"]),
+    ("env-bad-name", {"job": {"env": {"1BAD": "x"}}}, ["/job/env"]),
+    ("shm-size-invalid", {"workers": {"shmSize": "lots"}}, ["/workers/shmSize"]),
+    ("resources-typo", {"workers": {"resources": {"request": {"cpu": "1"}}}},
+     ["/workers/resources", "'request'"]),
+    ("resources-bad-quantity", {"workers": {"resources": {"limits": {"memory": "2 GB"}}}},
+     ["/workers/resources/limits/memory"]),
+    ("http-port-privileged", {"workers": {"httpPort": 80}}, ["/workers/httpPort"]),
+    ("nccl-debug-unknown", {"nccl": {"debug": "LOUD"}}, ["/nccl/debug"]),
+    ("nccl-extra-env-not-nccl", {"nccl": {"extraEnv": {"CUDA_VISIBLE_DEVICES": "0"}}},
+     ["/nccl/extraEnv"]),
+    ("toleration-bad-effect", {"workers": {"tolerations": [{"key": "k", "effect": "Never"}]}},
+     ["/workers/tolerations/0/effect"]),
+    ("etcd-two-members", {"etcd": {"replicas": 2}}, ["/etcd/replicas", "1, 3"]),
+    ("etcd-endpoint-not-url", {"etcd": {"enabled": False, "external": {"endpoints": ["etcd:2379"]}}},
+     ["/etcd/external/endpoints/0"]),
+    ("etcd-image-tag-empty", {"etcd": {"image": {"tag": ""}}}, ["/etcd/image/tag"]),
+    ("checkpoint-access-mode", {"checkpoint": {"accessModes": ["ReadWriteSome"]}},
+     ["/checkpoint/accessModes/0"]),
+    ("pdb-bad-percent", {"podDisruptionBudget": {"minAvailable": "half"}},
+     ["/podDisruptionBudget/minAvailable"]),
+]
+
+# Cross-field rules of templates/_validate.tpl.
+TEMPLATE_RULES = [
+    ("min-above-max", {"job": {"minNodes": 5, "maxNodes": 4}, "workers": {"replicas": 5}},
+     ["job.minNodes (5) must not exceed job.maxNodes (4)"]),
+    ("replicas-below-min", {"job": {"minNodes": 3}, "workers": {"replicas": 2}},
+     ["workers.replicas (2) must be at least job.minNodes (3)"]),
+    ("replicas-above-max", {"workers": {"replicas": 5}},
+     ["workers.replicas (5) must not exceed job.maxNodes (4)"]),
+    ("nproc-above-gpus", {"job": {"nprocPerNode": 4}, "workers": {"gpusPerNode": 2}},
+     ["job.nprocPerNode (4) must not exceed workers.gpusPerNode (2)"]),
+    ("grace-not-above-shutdown", {"job": {"shutdownTimeout": 30},
+                                  "workers": {"terminationGracePeriodSeconds": 30}},
+     ["workers.terminationGracePeriodSeconds (30) must be above job.shutdownTimeout (30)"]),
+    ("gpus-in-resources", {"workers": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
+     ["workers.resources.limits.nvidia.com/gpu", "workers.gpusPerNode"]),
+    ("external-etcd-without-endpoints", {"etcd": {"enabled": False}},
+     ["etcd.enabled is false but etcd.external.endpoints is empty"]),
+    ("external-etcd-while-enabled",
+     {"etcd": {"external": {"endpoints": ["http://etcd.infra:2379"]}}},
+     ["etcd.external.* is set but etcd.enabled is true"]),
+    ("tls-with-http-endpoint",
+     {"etcd": {"enabled": False, "external": {"endpoints": ["http://etcd.infra:2379"],
+                                              "tls": {"secretName": "etcd-tls"}}}},
+     ["http://etcd.infra:2379", "must be https://"]),
+    ("https-without-tls-secret",
+     {"etcd": {"enabled": False, "external": {"endpoints": ["https://etcd.infra:2379"]}}},
+     ["https://etcd.infra:2379", "etcd.external.tls.secretName is empty"]),
+    ("claim-and-per-pod", {"checkpoint": {"existingClaim": "ckpt", "perPod": True}},
+     ["checkpoint.existingClaim and checkpoint.perPod are exclusive"]),
+    ("pdb-both-set", {"podDisruptionBudget": {"minAvailable": 1, "maxUnavailable": 1}},
+     ["minAvailable or maxUnavailable, not both"]),
+    ("script-not-in-command", {"job": {"script": {"content": "print(1)"}}},
+     ["job.script is set but job.command never names /opt/ductile/job/train.py"]),
+]
+
+
+def test_good_job_renders(chart):
+    chart.validate_schema(GOOD)
+    assert chart.render(GOOD, name="demo")
+
+
+@pytest.mark.parametrize("patch,fragments", [r[1:] for r in SCHEMA_RULES],
+                         ids=[r[0] for r in SCHEMA_RULES])
+def test_schema_rejects(chart, patch, fragments):
+    values = merged(GOOD, patch)
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.render(values, name="demo")
+    message = str(err.value)
+    for f in fragments:
+        assert f in message, f"{f!r} not in: {message}"
+    # The schema alone (no template run) rejects it too: it is a schema rule.
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(values)
+
+
+@pytest.mark.parametrize("patch,fragments", [r[1:] for r in TEMPLATE_RULES],
+                         ids=[r[0] for r in TEMPLATE_RULES])
+def test_cross_field_rule_rejects(chart, patch, fragments):
+    values = merged(GOOD, patch)
+    chart.validate_schema(values)  # each value is fine on its own...
+    with pytest.raises(helm.HelmRenderError) as err:  # ...together they are not
+        chart.render(values, name="demo")
+    message = str(err.value)
+    for f in fragments:
+        assert f in message, f"{f!r} not in: {message}"
+
+
+def test_release_name_must_be_a_job_id_without_job_name(chart):
+    values = merged(GOOD, {})
+    del values["job"]["name"]
+    with pytest.raises(helm.HelmRenderError, match="set job.name"):
+        chart.render(values, name="my.release")
+    # The same release name is fine once job.name is given.
+    assert chart.render(GOOD, name="my.release")
+
+
+@pytest.mark.parametrize("boundary", [(1, 1, 1), (1, 4, 1), (1, 4, 4), (2, 2, 2)],
+                         ids=["1-1-1", "min-equal", "max-equal", "fixed-2"])
+def test_scale_range_boundaries_accepted(chart, boundary):
+    lo, hi, n = boundary
+    chart.render(merged(GOOD, {"job": {"minNodes": lo, "maxNodes": hi},
+                               "workers": {"replicas": n}}), name="demo")
+
+
+def test_zero_replicas_accepted_when_min_allows_it_not_otherwise(chart):
+    # Scaling to zero pauses a job only through kubectl; the chart insists
+    # on a startable size.
+    with pytest.raises(helm.HelmRenderError, match="at least job.minNodes"):
+        chart.render(merged(GOOD, {"workers": {"replicas": 0}}), name="demo")
+
+
+@pytest.mark.parametrize("path", EXAMPLE_JOBS, ids=[p.name for p in EXAMPLE_JOBS])
+def test_example_job_breaks_on_a_typo(chart, path):
+    values = load_values(path)
+    values["job"]["maxNode"] = values["job"].pop("maxNodes", 1)
+    with pytest.raises(helm.HelmValuesError, match="maxNode"):
+        chart.render(values, name="demo")
+
+
+# Objects whose inside is a Kubernetes structure passed through unchanged
+# (checked by the API server, and by test_render with kubernetes-validate).
+PASS_THROUGH = {"/properties/global", "/$defs/affinity/properties/nodeAffinity",
+                "/$defs/affinity/properties/podAffinity",
+                "/$defs/affinity/properties/podAntiAffinity",
+                "/properties/workers/properties/topologySpreadConstraints/items",
+                "/properties/networkPolicy/properties/metricsFrom/items",
+                "/$defs/stringMap"}
+
+
+def test_schema_closed_everywhere(chart):
+    schema = chart.schema
+    open_objects = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            is_object = node.get("type") == "object" or "properties" in node
+            if is_object and path not in PASS_THROUGH and node.get("additionalProperties") is not False:
+                open_objects.append(path)
+            for k, v in node.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+
+    walk(schema, "")
+    assert not open_objects, f"objects that accept unknown keys: {open_objects}"
+    # Self-contained: every $ref points into this file.
+    refs = []
+    walk_refs = lambda n: (refs.append(n["$ref"]) if isinstance(n, dict) and "$ref" in n else None,
+                           [walk_refs(v) for v in (n.values() if isinstance(n, dict) else
+                                                   n if isinstance(n, list) else [])])
+    walk_refs(schema)
+    assert refs and all(r.startswith("#/") for r in refs), refs
+
+
+def test_every_default_value_is_described(chart):
+    # values.yaml is the documentation: each leaf key has a comment above it,
+    # or sits in a block (requests, probe timings) whose key has one.
+    import re
+    from conftest import CHART_DIR
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+
+    def commented(i):
+        return i > 0 and lines[i - 1].strip().startswith("#")
+
+    undocumented = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):(\s.*)?$", line)
+        if not m or not (m.group(3) or "").strip():
+            continue  # a section header, described by its children
+        if commented(i):
+            continue
+        # Walk up the enclosing keys; one of them must carry the comment.
+        indent, j, ok = len(m.group(1)), i, False
+        while indent > 0 and not ok:
+            j = next((k for k in range(j - 1, -1, -1)
+                      if lines[k].strip() and not lines[k].strip().startswith("#")
+                      and len(lines[k]) - len(lines[k].lstrip()) < indent), None)
+            if j is None:
+                break
+            indent = len(lines[j]) - len(lines[j].lstrip())
+            ok = commented(j)
+        if not ok:
+            undocumented.append(m.group(2))
+    assert not undocumented, f"values without a comment: {undocumented}"
