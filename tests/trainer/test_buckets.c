@@ -1,0 +1,170 @@
+/* test_buckets.c: bucket assignment and the reducer's bookkeeping.
+ *
+ * Assignment is checked against hand-worked cases (reverse order, the small
+ * first bucket, caps reached exactly, a parameter larger than the cap). The
+ * reducer is checked with a real model and no peers: gradients are views
+ * into bucket memory in reverse parameter order, the stop flag rides in the
+ * last bucket, no_sync accumulates, and a parameter that never got a
+ * gradient is an error rather than a silent wrong update.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp.h"
+#include "model.h"
+#include "trainer_test.h"
+
+#define KB 1024u
+#define MB (1024u * 1024u)
+
+static void expect(const char *name, const size_t *numel, int n, size_t first, size_t cap,
+                   int want_buckets, const int *want)
+{
+    int got[16];
+    int nb = ddp_assign_buckets(numel, n, first, cap, got);
+    CHECK(nb == want_buckets, "%s: %d buckets, want %d", name, nb, want_buckets);
+    for (int i = 0; i < n; i++)
+        CHECK(got[i] == want[i], "%s: parameter %d in bucket %d, want %d", name, i, got[i],
+              want[i]);
+}
+
+static void test_assignment(void)
+{
+    /* Everything fits the 1 MB first bucket. */
+    size_t small[3] = {10, 10, 10};
+    int all0[3] = {0, 0, 0};
+    expect("small", small, 3, MB, 25 * MB, 1, all0);
+
+    /* Reverse order: p3 (400 KB) + p2 (800 KB) reach 1 MB and close bucket 0;
+     * the rest share the 25 MB bucket 1. */
+    size_t mixed[4] = {300000, 100, 200000, 100000};
+    int want_mixed[4] = {1, 1, 0, 0};
+    expect("first cap", mixed, 4, MB, 25 * MB, 2, want_mixed);
+
+    /* A small cap also caps the first bucket; 400-byte parameters, 1 KB cap:
+     * three per bucket (1200 >= 1024), counted from the end. */
+    size_t even[7] = {100, 100, 100, 100, 100, 100, 100};
+    int want_even[7] = {2, 1, 1, 1, 0, 0, 0};
+    expect("small cap", even, 7, MB, KB, 3, want_even);
+
+    /* Exactly reaching the cap closes the bucket. */
+    size_t exact[3] = {256, 256, 256};
+    int want_exact[3] = {2, 1, 0};
+    expect("exact cap", exact, 3, KB, KB, 3, want_exact);
+
+    /* A parameter larger than the cap gets a bucket of its own. */
+    size_t huge[3] = {10, 1000000, 10};
+    int want_huge[3] = {2, 1, 0};
+    expect("huge", huge, 3, 16, 64, 3, want_huge);
+    size_t huge2[4] = {10, 10, 1000000, 10};
+    int want_huge2[4] = {2, 2, 1, 0};
+    expect("huge in the middle", huge2, 4, 16, 64, 3, want_huge2);
+
+    /* Second cap applies after the first bucket: 1 MB then 2 MB. */
+    size_t mb[6] = {262144, 262144, 262144, 262144, 262144, 262144}; /* 1 MB each */
+    int want_mb[6] = {3, 2, 2, 1, 1, 0};
+    expect("first then cap", mb, 6, MB, 2 * MB, 4, want_mb);
+}
+
+static model *make_model(void)
+{
+    model *m;
+    char msg[256];
+    model_config cfg = {.kind = MODEL_MLP,
+                        .in_c = 1,
+                        .in_h = 16,
+                        .in_w = 16,
+                        .classes = 10,
+                        .nhidden = 2,
+                        .hidden = {300, 200}};
+    if (model_create(&cfg, 4, &m, msg) != 0) {
+        fprintf(stderr, "model_create: %s\n", msg);
+        exit(1);
+    }
+    model_init_params(m, 3);
+    for (int i = 0; i < 4 * 256; i++)
+        m->x[i] = (float)((i * 37) % 19) / 19.0f - 0.5f;
+    for (int i = 0; i < 4; i++)
+        m->y[i] = (uint8_t)(i * 7 % 10);
+    return m;
+}
+
+static void backward_once(model *m, ddp_reducer *r)
+{
+    model_forward(m, 4);
+    model_loss(m, 4);
+    model_backward(m, 4, 0.25f, ddp_mark_ready, r);
+}
+
+static void test_reducer_layout(void)
+{
+    model *m = make_model();
+    ddp_reducer *r;
+    /* 64 KB buckets: fc3 and fc2 (248 KB) close bucket 0, fc1 is bucket 1. */
+    CHECK(ddp_reducer_create(m, NULL, 64 * KB, 1, &r) == DDP_OK, "create");
+    float *g = ddp_grads(r);
+    int nb = ddp_bucket_count(r);
+    CHECK(nb == 2, "%d buckets, want 2", nb);
+    CHECK(ddp_bucket_get(r, 0)->nparams == 4 && ddp_bucket_get(r, 1)->nparams == 2,
+          "parameters per bucket %d, %d", ddp_bucket_get(r, 0)->nparams,
+          ddp_bucket_get(r, 1)->nparams);
+    size_t off = 0, total = 0;
+    for (int b = 0; b < nb; b++) {
+        const ddp_bucket *bk = ddp_bucket_get(r, b);
+        CHECK(bk->offset == off, "bucket %d at %zu, want %zu", b, bk->offset, off);
+        off += bk->numel;
+        total += bk->numel;
+    }
+    CHECK(total == m->nfloats + 1, "buckets hold %zu floats, model %zu + stop flag", total,
+          m->nfloats);
+    /* Views in reverse order, back to back. */
+    size_t want = 0;
+    for (int i = m->nparams - 1; i >= 0; i--) {
+        CHECK(m->params[i].grad == g + want, "%s grad at %td, want %zu", m->params[i].name,
+              m->params[i].grad - g, want);
+        want += m->params[i].numel;
+    }
+
+    /* Backward writes straight into bucket memory; the flag carries the vote. */
+    int stop = -1;
+    ddp_begin(r, 1, 1);
+    backward_once(m, r);
+    CHECK(ddp_finish(r, &stop) == DDP_OK, "finish: %s", ddp_last_error(r));
+    CHECK(stop == 1, "stop flag %d, want 1", stop);
+    double sum = 0;
+    for (size_t i = 0; i < m->nfloats; i++)
+        sum += g[i] * g[i];
+    CHECK(sum > 0, "gradients landed in bucket memory");
+    float first = m->params[0].grad[5];
+
+    /* no_sync then sync: gradients accumulate (twice the single step). */
+    ddp_zero_grad(r);
+    ddp_begin(r, 0, 0);
+    backward_once(m, r);
+    CHECK(ddp_finish(r, &stop) == DDP_OK && stop == 0, "no_sync finish");
+    ddp_begin(r, 1, 0);
+    backward_once(m, r);
+    CHECK(ddp_finish(r, &stop) == DDP_OK && stop == 0, "sync finish, stop %d", stop);
+    CHECK(test_close(m->params[0].grad[5], 2 * first, 1e-7, 1e-5), "accumulated %g vs 2*%g",
+          m->params[0].grad[5], first);
+
+    /* A parameter without a gradient is reported. */
+    ddp_zero_grad(r);
+    ddp_begin(r, 1, 0);
+    for (int i = m->nparams - 1; i >= 1; i--)
+        ddp_mark_ready(r, i);
+    CHECK(ddp_finish(r, &stop) == DDP_ERR_UNUSED, "unused parameter detected");
+    CHECK(strstr(ddp_last_error(r), m->params[0].name) != NULL, "names it: %s", ddp_last_error(r));
+
+    /* Freeing the reducer points gradients back at the model's own memory. */
+    ddp_reducer_free(r);
+    CHECK(m->params[0].grad == m->own_grads, "grads restored");
+    model_free(m);
+}
+
+int main(void)
+{
+    test_assignment();
+    test_reducer_layout();
+    return test_finish("test_buckets");
+}

@@ -1,0 +1,62 @@
+/* ckpt.h: training state on disk, atomically, with a checksum.
+ *
+ * A checkpoint is ckpt-r<round>-s<step>.bin in the checkpoint directory: a
+ * fixed header (magic, version, sizes, CRC-32, the training position and the
+ * model and optimizer configuration) followed by the parameters and the
+ * optimizer state as flat floats. It is written to a temporary file,
+ * fsync'd, renamed into place and the directory fsync'd, so a crash leaves
+ * either the old set of files or the new one. The newest (round, step) that
+ * reads back whole and matches the model is the one loaded; the last two good
+ * ones are kept, so a torn or corrupt newest file falls back to the previous.
+ */
+#ifndef DUCTILE_CKPT_H
+#define DUCTILE_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+
+typedef enum {
+    CKPT_OK = 0,
+    CKPT_ERR_NONE,    /* no checkpoint in the directory */
+    CKPT_ERR_INVALID, /* checkpoints exist but none is usable */
+    CKPT_ERR_WRITE,   /* writing failed (the previous checkpoints are intact) */
+    CKPT_ERR_DIR,     /* the directory cannot be created or read */
+    CKPT_ERR_NOMEM,
+} ckpt_err;
+
+const char *ckpt_strerror(ckpt_err err);
+
+/* Everything but the float arrays. */
+typedef struct ckpt_state {
+    int64_t round;   /* the round it was made in */
+    int64_t step;    /* optimizer steps done */
+    int64_t epoch;   /* current epoch (0-based) */
+    int64_t pos;     /* samples of this epoch already trained */
+    int64_t samples; /* samples trained in the whole run */
+    uint64_t seed;   /* data and initialisation seed */
+    uint64_t rng;    /* the trainer's RNG state */
+    int64_t optim_t; /* optimizer updates applied */
+    int32_t optim_kind;
+    int32_t optim_nstate;
+    model_config cfg;
+} ckpt_state;
+
+/* Writes state, params[nparams] and opt[nopt] as the checkpoint for
+ * (st->round, st->step), then deletes every other checkpoint but the newest
+ * good one. *path (may be NULL, 4096 bytes) receives the file written; msg
+ * (256 bytes) one line on failure. */
+ckpt_err ckpt_save(const char *dir, const ckpt_state *st, const float *params, size_t nparams,
+                   const float *opt, size_t nopt, char *path, char *msg);
+
+/* Loads the newest usable checkpoint whose model, optimizer and sizes match
+ * `want` (cfg, optim_kind, optim_nstate) into *st, params and opt. Each
+ * unusable file costs one warning line on stderr. */
+ckpt_err ckpt_load(const char *dir, const ckpt_state *want, ckpt_state *st, float *params,
+                   size_t nparams, float *opt, size_t nopt, char *path, char *msg);
+
+/* 0 when the file is a whole, uncorrupted checkpoint; else -1 and a reason. */
+int ckpt_verify(const char *path, char *msg);
+
+#endif

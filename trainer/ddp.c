@@ -1,0 +1,323 @@
+/* ddp.c: gradient buckets, readiness tracking and the communication thread.
+ *
+ * The thread owns every collective of a step: it waits for bucket `next`
+ * to be ready, all-reduces it, moves to next+1. Because it only ever looks
+ * at `next`, buckets are reduced in index order whatever order backward
+ * finishes them in, which is what keeps ranks from issuing mismatched
+ * collectives. The main thread only sets ready flags and, in finish(), waits
+ * for `next` to reach the bucket count (with a deadline, although comm's own
+ * deadlines make a hang there impossible in practice).
+ */
+#include "ddp.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Backstop for finish(): comm fails a collective within its own deadline,
+ * so this only fires if that promise is broken. */
+#define DDP_WAIT_MS (10 * 60 * 1000)
+
+struct ddp_reducer {
+    model *m;
+    comm *comm;
+    int world;
+    int overlap;
+    int nbuckets;
+    ddp_bucket *buckets;
+    int *bucket_of; /* per parameter */
+    float *grads;   /* all buckets, back to back */
+    size_t total;   /* floats in grads */
+    size_t flag;    /* index of the stop flag */
+    char *param_ready;
+    int sync;
+    int marked_twice;
+
+    int have_thread;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char *bucket_ready; /* handed to the thread in this step */
+    int next;           /* next bucket the thread reduces */
+    int shutdown;
+    comm_err cerr; /* first collective error */
+    char err[256];
+};
+
+const char *ddp_strerror(ddp_err err)
+{
+    switch (err) {
+    case DDP_OK:
+        return "ok";
+    case DDP_ERR_NOMEM:
+        return "out of memory";
+    case DDP_ERR_COMM:
+        return "collective failed";
+    case DDP_ERR_UNUSED:
+        return "a parameter received no gradient";
+    case DDP_ERR_TIMEOUT:
+        return "gradient all-reduce missed its deadline";
+    case DDP_ERR_SYS:
+        return "system call failed";
+    }
+    return "unknown ddp error";
+}
+
+int ddp_assign_buckets(const size_t *numel, int n, size_t first_cap, size_t cap, int *bucket_of)
+{
+    size_t limit = first_cap < cap ? first_cap : cap, filled = 0;
+    int b = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        bucket_of[i] = b;
+        filled += numel[i] * sizeof(float);
+        if (filled >= limit && i > 0) {
+            b++;
+            filled = 0;
+            limit = cap;
+        }
+    }
+    return n > 0 ? b + 1 : 0;
+}
+
+static void *comm_thread(void *arg)
+{
+    ddp_reducer *r = arg;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->shutdown && !(r->next < r->nbuckets && r->bucket_ready[r->next]))
+            pthread_cond_wait(&r->cv, &r->mu);
+        if (r->shutdown) break;
+        ddp_bucket *b = &r->buckets[r->next];
+        comm_err e = r->cerr;
+        pthread_mutex_unlock(&r->mu);
+        if (e == COMM_OK) e = comm_allreduce_sum_f32(r->comm, r->grads + b->offset, b->numel);
+        pthread_mutex_lock(&r->mu);
+        if (e != COMM_OK && r->cerr == COMM_OK) {
+            r->cerr = e;
+            snprintf(r->err, sizeof(r->err), "all-reduce of bucket %d: %s: %s", r->next,
+                     comm_strerror(e), comm_last_error(r->comm));
+        }
+        r->next++;
+        pthread_cond_broadcast(&r->cv);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+ddp_err ddp_reducer_create(model *m, comm *c, size_t bucket_cap_bytes, int overlap,
+                           ddp_reducer **out)
+{
+    size_t numel[MODEL_MAX_PARAMS];
+    ddp_reducer *r = calloc(1, sizeof(*r));
+    *out = NULL;
+    if (!r) return DDP_ERR_NOMEM;
+    r->m = m;
+    r->comm = c;
+    r->world = c ? comm_world_size(c) : 1;
+    r->overlap = overlap;
+    r->bucket_of = calloc(m->nparams, sizeof(int));
+    r->param_ready = calloc(m->nparams, 1);
+    if (!r->bucket_of || !r->param_ready) goto nomem;
+    for (int i = 0; i < m->nparams; i++)
+        numel[i] = m->params[i].numel;
+    r->nbuckets = ddp_assign_buckets(numel, m->nparams, DDP_FIRST_BUCKET_BYTES, bucket_cap_bytes,
+                                     r->bucket_of);
+    r->buckets = calloc(r->nbuckets, sizeof(ddp_bucket));
+    r->bucket_ready = calloc(r->nbuckets, 1);
+    r->total = m->nfloats + 1;
+    r->grads = calloc(r->total, sizeof(float));
+    if (!r->buckets || !r->bucket_ready || !r->grads) goto nomem;
+    /* Lay buckets out in index order, parameters in reverse order inside. */
+    size_t off = 0;
+    for (int b = 0; b < r->nbuckets; b++) {
+        r->buckets[b].offset = off;
+        for (int i = m->nparams - 1; i >= 0; i--) {
+            if (r->bucket_of[i] != b) continue;
+            m->params[i].grad = r->grads + off;
+            off += m->params[i].numel;
+            r->buckets[b].nparams++;
+        }
+        r->buckets[b].numel = off - r->buckets[b].offset;
+    }
+    r->flag = off;
+    r->buckets[r->nbuckets - 1].numel++;
+
+    if (c) {
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_mutex_init(&r->mu, NULL);
+        pthread_cond_init(&r->cv, &ca);
+        pthread_condattr_destroy(&ca);
+        if (pthread_create(&r->thread, NULL, comm_thread, r) != 0) {
+            pthread_mutex_destroy(&r->mu);
+            pthread_cond_destroy(&r->cv);
+            goto nomem;
+        }
+        r->have_thread = 1;
+    }
+    *out = r;
+    return DDP_OK;
+nomem:
+    /* The model's gradients must not point into memory about to be freed. */
+    for (int i = 0; i < m->nparams; i++)
+        m->params[i].grad = m->own_grads + m->params[i].offset;
+    ddp_reducer_free(r);
+    return DDP_ERR_NOMEM;
+}
+
+void ddp_reducer_free(ddp_reducer *r)
+{
+    if (!r) return;
+    if (r->have_thread) {
+        pthread_mutex_lock(&r->mu);
+        r->shutdown = 1;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        pthread_join(r->thread, NULL);
+        pthread_mutex_destroy(&r->mu);
+        pthread_cond_destroy(&r->cv);
+    }
+    if (r->grads)
+        for (int i = 0; i < r->m->nparams; i++)
+            r->m->params[i].grad = r->m->own_grads + r->m->params[i].offset;
+    free(r->bucket_of);
+    free(r->param_ready);
+    free(r->buckets);
+    free(r->bucket_ready);
+    free(r->grads);
+    free(r);
+}
+
+int ddp_bucket_count(const ddp_reducer *r)
+{
+    return r->nbuckets;
+}
+
+const ddp_bucket *ddp_bucket_get(const ddp_reducer *r, int i)
+{
+    return &r->buckets[i];
+}
+
+float *ddp_grads(ddp_reducer *r)
+{
+    return r->grads;
+}
+
+void ddp_begin(ddp_reducer *r, int sync, int want_stop)
+{
+    r->sync = sync;
+    if (!sync) return;
+    memset(r->param_ready, 0, r->m->nparams);
+    for (int b = 0; b < r->nbuckets; b++)
+        r->buckets[b].pending = r->buckets[b].nparams;
+    r->grads[r->flag] = want_stop ? 1.0f : 0.0f;
+    r->marked_twice = 0;
+}
+
+void ddp_mark_ready(void *ctx, int param)
+{
+    ddp_reducer *r = ctx;
+    if (!r->sync) return;
+    if (r->param_ready[param]) {
+        r->marked_twice = 1;
+        return;
+    }
+    r->param_ready[param] = 1;
+    int b = r->bucket_of[param];
+    if (--r->buckets[b].pending == 0 && r->overlap && r->have_thread) {
+        pthread_mutex_lock(&r->mu);
+        r->bucket_ready[b] = 1;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+    }
+}
+
+/* Waits for the thread to reduce every bucket; resets it for the next step. */
+static ddp_err wait_buckets(ddp_reducer *r)
+{
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += DDP_WAIT_MS / 1000;
+    ddp_err err = DDP_OK;
+    pthread_mutex_lock(&r->mu);
+    if (!r->overlap) {
+        memset(r->bucket_ready, 1, r->nbuckets);
+        pthread_cond_broadcast(&r->cv);
+    }
+    while (r->next < r->nbuckets)
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &deadline) == ETIMEDOUT) {
+            snprintf(r->err, sizeof(r->err), "bucket %d of %d not reduced after %d s", r->next,
+                     r->nbuckets, DDP_WAIT_MS / 1000);
+            err = DDP_ERR_TIMEOUT;
+            break;
+        }
+    if (err == DDP_OK && r->cerr != COMM_OK) err = DDP_ERR_COMM;
+    if (err == DDP_OK) {
+        r->next = 0;
+        memset(r->bucket_ready, 0, r->nbuckets);
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (err == DDP_ERR_TIMEOUT) comm_abort(r->comm);
+    return err;
+}
+
+ddp_err ddp_finish(ddp_reducer *r, int *stop)
+{
+    *stop = 0;
+    if (!r->sync) return DDP_OK;
+    for (int i = 0; i < r->m->nparams; i++)
+        if (!r->param_ready[i] || r->marked_twice) {
+            snprintf(r->err, sizeof(r->err), "parameter %s %s", r->m->params[i].name,
+                     r->marked_twice ? "marked ready twice" : "got no gradient");
+            return DDP_ERR_UNUSED;
+        }
+    if (r->have_thread) {
+        ddp_err err = wait_buckets(r);
+        if (err != DDP_OK) return err;
+    }
+    if (r->world > 1) {
+        float inv = 1.0f / (float)r->world;
+        for (size_t i = 0; i < r->total; i++)
+            r->grads[i] *= inv;
+    }
+    *stop = r->grads[r->flag] > 0.0f;
+    return DDP_OK;
+}
+
+void ddp_zero_grad(ddp_reducer *r)
+{
+    memset(r->grads, 0, sizeof(float) * r->total);
+}
+
+ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes)
+{
+    if (!r->comm) return DDP_OK;
+    comm_err e = comm_broadcast(r->comm, buf, bytes, 0);
+    if (e != COMM_OK) {
+        snprintf(r->err, sizeof(r->err), "broadcast: %s: %s", comm_strerror(e),
+                 comm_last_error(r->comm));
+        return DDP_ERR_COMM;
+    }
+    return DDP_OK;
+}
+
+ddp_err ddp_allreduce(ddp_reducer *r, float *buf, size_t n)
+{
+    if (!r->comm) return DDP_OK;
+    comm_err e = comm_allreduce_sum_f32(r->comm, buf, n);
+    if (e != COMM_OK) {
+        snprintf(r->err, sizeof(r->err), "all-reduce: %s: %s", comm_strerror(e),
+                 comm_last_error(r->comm));
+        return DDP_ERR_COMM;
+    }
+    return DDP_OK;
+}
+
+const char *ddp_last_error(const ddp_reducer *r)
+{
+    return r->err;
+}
