@@ -192,10 +192,14 @@ def test_helm_test_runs_agent_status(render):
     pod = r.one("Pod", "-test-rendezvous")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     assert pod["spec"]["restartPolicy"] == "Never"
-    cmd = pod["spec"]["containers"][0]["command"]
-    assert cmd[:2] == ["ductile-agent", "status"]
-    assert cmd[cmd.index("--rdzv-id") + 1] == "fmnist-gpu"
-    assert cmd[cmd.index("--rdzv-endpoint") + 1] == r.env()["DUCTILE_RDZV_ENDPOINT"]
+    container = pod["spec"]["containers"][0]
+    cmd = container["command"]
+    assert cmd[:2] == ["/bin/sh", "-ec"]
+    assert ('ductile-agent status --rdzv-endpoint "$DUCTILE_RDZV_ENDPOINT" '
+            '--rdzv-id "$DUCTILE_RDZV_ID"') in cmd[2]
+    env = r.env(container)
+    assert env["DUCTILE_RDZV_ID"] == "fmnist-gpu"
+    assert env["DUCTILE_RDZV_ENDPOINT"] == r.env()["DUCTILE_RDZV_ENDPOINT"]
     assert not render(CI / "hostnetwork.yaml").of_kind("Pod")
 
 
