@@ -595,6 +595,7 @@ static comm_err ring_ready_fds(ring *g)
     int one = 1;
     int fds[2] = {g->left_fd, g->right_fd};
     for (int i = 0; i < 2; i++) {
+        set_bufs(fds[i]); /* again: fds from comm_ring_from_fds were made elsewhere */
         if (set_nonblock(fds[i]) < 0)
             return comm_fail(&g->base, COMM_ERR_SYS, "fcntl: %s", strerror(errno));
         /* Not a TCP socket (a socketpair in tests): no Nagle to switch off. */

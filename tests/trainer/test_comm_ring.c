@@ -14,12 +14,15 @@
 
 #include "comm.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -492,6 +495,97 @@ static void test_abort(void)
     tc_group_free(&g);
 }
 
+/* ---- stray connections at bootstrap (store only) ---- */
+
+/* Connects to the address rank 1 published and sends `len` bytes. */
+static int stray_connect(tc_group *g, const void *bytes, size_t len)
+{
+    rdzv_etcd e = {0};
+    e.endpoints = g->etcd;
+    rdzv_store *s = NULL;
+    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return -1;
+    void *val = NULL;
+    size_t vlen = 0;
+    rdzv_err re = rdzv_store_wait(s, "ring/1", 10000, &val, &vlen);
+    rdzv_store_close(s);
+    if (re != RDZV_OK) return -1;
+    char *colon = strrchr(val, ':');
+    int port = colon ? atoi(colon + 1) : 0;
+    free(val);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
+        send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int rank_stray(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    int strays[2] = {-1, -1};
+    if (rank == 0) {
+        /* Rank 0's own hello but with a wrong nonce (a connection from
+         * another round), then plain garbage: rank 1 must refuse both and
+         * still take the real one that follows. Layout: magic "DUCTRING",
+         * rank, world, nonce. */
+        struct {
+            uint64_t magic;
+            uint32_t rank, world;
+            uint64_t nonce;
+        } hello = {0x474e495254435544ull, 0, 2, 0x1234};
+        strays[0] = stray_connect(g, &hello, sizeof(hello));
+        static const char junk[24] = "GET / HTTP/1.0\r\n\r\n";
+        strays[1] = stray_connect(g, junk, sizeof(junk));
+        RANK_CHECK(strays[0] >= 0 && strays[1] >= 0, "stray connections");
+    }
+    comm *c = connect_or_die(g, rank);
+    float buf[5] = {1, 2, 3, 4, 5};
+    comm_err err = comm_allreduce_sum_f32(c, buf, 5);
+    RANK_CHECK(err == COMM_OK, "allreduce after strays: %s", comm_last_error(c));
+    RANK_CHECK(buf[0] == 2 && buf[4] == 10, "allreduce after strays: wrong sum");
+    comm_free(c);
+    for (int i = 0; i < 2; i++)
+        if (strays[i] >= 0) close(strays[i]);
+    return 0;
+}
+
+static void test_stray(void)
+{
+    if (!g_etcd) return;
+    tc_group g;
+    if (group_init(&g, 2) != 0) {
+        g_failed++;
+        return;
+    }
+    g.timeout_ms = 5000;
+    CHECK(run_group(&g, rank_stray, NULL, 60) == 0, "stray connections at bootstrap");
+    tc_group_free(&g);
+}
+
+/* A round that is no longer current: publishing the ring address is fenced. */
+static void test_fenced(void)
+{
+    if (!g_etcd) return;
+    tc_group g;
+    if (group_init(&g, 2) != 0) {
+        g_failed++;
+        return;
+    }
+    CHECK(tc_make_round_current(g_etcd, g.job, 2) == 0, "epoch 2");
+    comm *c = NULL;
+    comm_err err = tc_connect(&g, 0, &c);
+    CHECK(err == COMM_ERR_STORE && c == NULL, "bootstrap in a fenced round gave %s",
+          comm_strerror(err));
+    if (c) comm_free(c);
+    tc_group_free(&g);
+}
+
 /* ---- world size 1 and bad arguments (in this process) ---- */
 
 static void test_single(void)
@@ -558,6 +652,8 @@ int main(int argc, char **argv)
         {"abort", test_abort},
         {"kill", test_kill},
         {"stop", test_stop},
+        {"stray", test_stray},
+        {"fenced", test_fenced},
     };
     int n = (int)(sizeof(cases) / sizeof(cases[0]));
     for (int i = 0; i < n; i++) {
