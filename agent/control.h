@@ -82,6 +82,15 @@ static inline int agent_ctl_int(const char *word, int64_t min, int64_t max, int6
     return 0;
 }
 
+/* Copies src into dst[len]; -1 when it does not fit. */
+static inline int agent_ctl_copy(char *dst, size_t len, const char *src)
+{
+    size_t n = strlen(src);
+    if (n >= len) return -1;
+    memcpy(dst, src, n + 1);
+    return 0;
+}
+
 /* Parses one line (with or without its '\n'). Returns 0 and fills *m, or -1
  * when the line is not a valid message. */
 static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
@@ -95,8 +104,7 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
         buf[--n] = 0;
     if (strncmp(buf, "failed", 6) == 0 && (buf[6] == ' ' || buf[6] == 0)) {
         m->type = AGENT_CTL_FAILED;
-        snprintf(m->reason, sizeof(m->reason), "%s", buf[6] ? buf + 7 : "");
-        return 0;
+        return agent_ctl_copy(m->reason, sizeof(m->reason), buf[6] ? buf + 7 : "");
     }
     char *w[12];
     int nw = 0;
@@ -124,7 +132,8 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
             agent_ctl_int(w[7], 0, INT64_MAX, &v[6]) || agent_ctl_int(w[9], 0, 65535, &v[7]))
             return -1;
         if (v[1] >= v[2] || v[4] >= v[5]) return -1;
-        if (strlen(w[8]) >= sizeof(m->master_addr) || strlen(w[10]) >= sizeof(m->store_prefix))
+        if (agent_ctl_copy(m->master_addr, sizeof(m->master_addr), w[8]) ||
+            agent_ctl_copy(m->store_prefix, sizeof(m->store_prefix), w[10]))
             return -1;
         m->type = AGENT_CTL_ROUND;
         m->round = v[0];
@@ -134,9 +143,7 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
         m->group_rank = (int)v[4];
         m->group_world_size = (int)v[5];
         m->restarts = v[6];
-        snprintf(m->master_addr, sizeof(m->master_addr), "%s", w[8]);
         m->master_port = (int)v[7];
-        snprintf(m->store_prefix, sizeof(m->store_prefix), "%s", w[10]);
     } else {
         return -1;
     }

@@ -812,18 +812,24 @@ static void start_round(agent *a, rdzv_round *r)
 static void describe_end(const rdzv_event *ev, char *out, size_t len)
 {
     const char *node = ev->node[0] ? ev->node : "?";
+    /* The library's reason usually names the node already: then it says it all. */
+    if (ev->reason[0] && ev->node[0] && strstr(ev->reason, ev->node)) {
+        snprintf(out, len, "%s", ev->reason);
+        return;
+    }
+    const char *sep = ev->reason[0] ? ": " : "";
     switch (ev->cause) {
     case RDZV_CAUSE_MEMBER_LOST:
-        snprintf(out, len, "member %s lost%s%s", node, ev->reason[0] ? ": " : "", ev->reason);
+        snprintf(out, len, "member %s lost%s%s", node, sep, ev->reason);
         break;
     case RDZV_CAUSE_MEMBER_LEFT:
-        snprintf(out, len, "member %s left%s%s", node, ev->reason[0] ? ": " : "", ev->reason);
+        snprintf(out, len, "member %s left%s%s", node, sep, ev->reason);
         break;
     case RDZV_CAUSE_NODE_WAITING:
         snprintf(out, len, "node %s waiting and the round has room", node);
         break;
     case RDZV_CAUSE_FAILURE:
-        snprintf(out, len, "failure on %s%s%s", node, ev->reason[0] ? ": " : "", ev->reason);
+        snprintf(out, len, "failure on %s%s%s", node, sep, ev->reason);
         break;
     default:
         snprintf(out, len, "%s", ev->reason[0] ? ev->reason : "unknown cause");

@@ -1,0 +1,620 @@
+#!/usr/bin/env python3
+"""agent_test.py: the agent's integration tests, one case per ctest entry.
+
+Run under with-etcd (DUCTILE_TEST_ETCD is a real etcd on 127.0.0.1):
+
+    with-etcd -- python3 agent_test.py --agent ductile-agent --worker agent-test-worker CASE
+
+Every case starts real ductile-agent processes with test_worker as their
+command, drives them (signals, worker commands, etcd restarts) and checks
+what the workers report (tests/agent/test_worker.c) and how agents exit.
+Timing bounds here are correctness bounds ("before the lease TTL") and are
+generous; speed is measured in bench/agent.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ARGS = None
+ETCD = os.environ.get("DUCTILE_TEST_ETCD", "")
+
+
+class Fail(Exception):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Fail(what)
+
+
+def wait_for(pred, timeout, what, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise Fail("timed out after %.0f s waiting for %s" % (timeout, what))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Agent:
+    def __init__(self, job, node, flags, env_extra=None):
+        self.job, self.node = job, node
+        self.out_path = os.path.join(job.dir, "agent.%s.out" % node)
+        self.err_path = os.path.join(job.dir, "agent.%s.err" % node)
+        env = dict(os.environ)
+        env["AGENT_TEST_DIR"] = job.dir
+        env.update(env_extra or {})
+        cmd = [ARGS.agent, "--rdzv-endpoint", ETCD, "--rdzv-id", job.name, "--node-id", node,
+               "--node-addr", "127.0.0.1"] + job.flags + flags + ["--", ARGS.worker]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.out_path, "w"),
+                                     stderr=open(self.err_path, "w"))
+        self.started = time.monotonic()
+
+    def log(self):
+        with open(self.err_path) as f:
+            return f.read()
+
+    def out(self):
+        with open(self.out_path) as f:
+            return f.read()
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def wait_exit(self, timeout):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise Fail("agent %s did not exit within %.0f s; log:\n%s" %
+                       (self.node, timeout, self.log()))
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+
+class Job:
+    def __init__(self, name, flags):
+        self.name = name
+        self.flags = flags
+        self.dir = tempfile.mkdtemp(prefix="agent-test-")
+        self.agents = []
+
+    def start(self, node, flags=None, env=None):
+        a = Agent(self, node, flags or [], env)
+        self.agents.append(a)
+        return a
+
+    def workers(self):
+        """Every worker that has reported, as dicts of its environment."""
+        out = []
+        for name in os.listdir(self.dir):
+            m = re.fullmatch(r"w\.(\d+)\.env", name)
+            if not m:
+                continue
+            env = {}
+            with open(os.path.join(self.dir, name)) as f:
+                for line in f:
+                    k, _, v = line.rstrip("\n").partition("=")
+                    env[k] = v
+            env["_pid"] = int(m.group(1))
+            out.append(env)
+        return out
+
+    def worker_log(self, pid):
+        try:
+            with open(os.path.join(self.dir, "w.%d.log" % pid)) as f:
+                return f.read().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def round_workers(self, rnd):
+        return [w for w in self.workers() if int(w.get("DUCTILE_ROUND", -1)) == rnd]
+
+    def alive_workers(self):
+        return [w for w in self.workers() if pid_alive(w["_pid"])]
+
+    def running_round(self, world):
+        """The round whose `world` workers all reported and are alive, or None."""
+        ws = self.alive_workers()
+        rounds = {int(w["DUCTILE_ROUND"]) for w in ws}
+        for r in sorted(rounds, reverse=True):
+            rw = [w for w in ws if int(w["DUCTILE_ROUND"]) == r]
+            if len(rw) == world and all(int(w["WORLD_SIZE"]) == world for w in rw):
+                return r
+        return None
+
+    def wait_round(self, world, timeout, newer_than=0):
+        def pred():
+            r = self.running_round(world)
+            return r if r is not None and r > newer_than else None
+        return wait_for(pred, timeout, "a round with %d workers running (after round %d)" %
+                        (world, newer_than))
+
+    def command(self, pid, cmd):
+        path = os.path.join(self.dir, "cmd.%s" % pid)
+        with open(path + ".tmp", "w") as f:
+            f.write(cmd + "\n")
+        os.rename(path + ".tmp", path)
+
+    def cleanup(self, keep):
+        for a in self.agents:
+            if a.alive():
+                a.proc.kill()
+                a.proc.wait()
+        # Workers die with their agent (PR_SET_PDEATHSIG); make sure.
+        for w in self.workers():
+            try:
+                os.kill(w["_pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if keep:
+            for a in self.agents:
+                sys.stderr.write("---- agent %s log ----\n%s" % (a.node, a.log()))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def pid_alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def workers_of(job, node_agent):
+    return [w for w in job.alive_workers() if int(w["TEST_PPID"]) == node_agent.proc.pid]
+
+
+def run_agent(args, env=None, timeout=10):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([ARGS.agent] + args, env=e, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# Short timings keep the suite fast; they are the agent's own flags.
+FAST = ["--lease-ttl", "3", "--last-call", "0.5", "--stop-grace", "2",
+        "--shutdown-timeout", "8", "--join-timeout", "60"]
+
+# ---------------------------------------------------------------------------
+
+
+def case_bad_flags(job):
+    bad = [
+        ["--nnodes", "x"], ["--nnodes", "3:2"], ["--nnodes", "0"], ["--nnodes", "1:"],
+        ["--nnodes", "2:x"], ["--nproc-per-node", "0"], ["--nproc-per-node", "2x"],
+        ["--nproc-per-node", "99999999999999999999"], ["--max-restarts", "-1"],
+        ["--lease-ttl", "1"], ["--lease-ttl", "5.5"], ["--last-call", "abc"],
+        ["--join-timeout", "-3"], ["--shutdown-timeout", "nan"], ["--rebuild", "sometimes"],
+        ["--log-format", "xml"], ["--http-port", "70000"], ["--rdzv-id", "Bad_Id"],
+        ["--node-id", "a b"], ["--standalone=maybe"], ["--no-such-flag", "1"], ["--nnodes"],
+    ]
+    base = ["--rdzv-endpoint", ETCD, "--rdzv-id", "j"]
+    for flags in bad:
+        r = run_agent(base + flags + ["--", "true"])
+        check(r.returncode == 2, "%s: exit %d, want 2" % (flags, r.returncode))
+        lines = r.stderr.strip().splitlines()
+        check(len(lines) == 1 and lines[0].startswith("ductile-agent: "),
+              "%s: want one error line, got %r" % (flags, r.stderr))
+    # Missing pieces.
+    for args in (["--rdzv-id", "j", "--", "true"], ["--rdzv-endpoint", ETCD, "--", "true"],
+                 base):
+        r = run_agent(args, env={"DUCTILE_RDZV_ENDPOINT": "", "DUCTILE_RDZV_ID": ""}
+                      if False else None)
+        check(r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1,
+              "%s: exit %d %r" % (args, r.returncode, r.stderr))
+    # The same checks apply to DUCTILE_* variables, and they name the variable.
+    r = run_agent(base + ["--", "true"], env={"DUCTILE_NNODES": "two"})
+    check(r.returncode == 2 and "DUCTILE_NNODES" in r.stderr, "env: %r" % r.stderr)
+    # --help lists every flag with its variable.
+    r = run_agent(["--help"])
+    check(r.returncode == 0, "--help exit %d" % r.returncode)
+    for flag in ["nnodes", "nproc-per-node", "rdzv-endpoint", "rdzv-id", "max-restarts",
+                 "node-id", "node-addr", "lease-ttl", "last-call", "join-timeout",
+                 "shutdown-timeout", "rebuild", "standalone", "http-port", "log-format",
+                 "etcd-cacert", "etcd-cert", "etcd-key", "etcd-user", "etcd-password"]:
+        check("--" + flag in r.stdout, "--help lacks --" + flag)
+        check("DUCTILE_" + flag.upper().replace("-", "_") in r.stdout, "--help lacks env of " + flag)
+    r = run_agent(["status", "--rdzv-id", "j"])
+    check(r.returncode == 2, "status without endpoint: exit %d" % r.returncode)
+
+
+def case_env_and_finish(job):
+    job.flags += FAST + ["--nnodes", "3", "--nproc-per-node", "2", "--max-restarts", "7"]
+    a = job.start("node-a")
+    b = job.start("node-b", env={"OMP_NUM_THREADS": "4"})
+    c = job.start("node-c")
+    rnd = job.wait_round(6, 60)
+    ws = job.round_workers(rnd)
+    check(sorted(int(w["RANK"]) for w in ws) == list(range(6)), "ranks 0..5")
+    ports = {w["MASTER_PORT"] for w in ws}
+    check(len(ports) == 1 and 0 < int(ports.pop()) < 65536, "one MASTER_PORT")
+    by_group = {}
+    for w in ws:
+        rank, group = int(w["RANK"]), int(w["GROUP_RANK"])
+        by_group.setdefault(group, []).append(w)
+        expect = {
+            "LOCAL_RANK": str(rank - 2 * group), "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_WORLD_SIZE": "3", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "6",
+            "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "7",
+            "TORCHELASTIC_RUN_ID": job.name, "DUCTILE_ETCD_ENDPOINTS": ETCD,
+            "DUCTILE_JOB": job.name, "DUCTILE_ROUND": str(rnd),
+            "DUCTILE_STORE_PREFIX": "/ductile/%s/rounds/%d/store/" % (job.name, rnd),
+            "DUCTILE_CONTROL_FD": "3", "TEST_CONTROL_FD_OPEN": "1",
+        }
+        for k, v in expect.items():
+            check(w.get(k) == v, "rank %d: %s=%r, want %r" % (rank, k, w.get(k), v))
+        want_omp = "4" if int(w["TEST_PPID"]) == b.proc.pid else "1"
+        check(w.get("OMP_NUM_THREADS") == want_omp,
+              "rank %d: OMP_NUM_THREADS=%r want %s" % (rank, w.get("OMP_NUM_THREADS"), want_omp))
+    check(sorted(by_group) == [0, 1, 2], "group ranks 0..2")
+    for g, gw in by_group.items():
+        check(len({w["TEST_PPID"] for w in gw}) == 1, "group %d on one agent" % g)
+    # Output is passed through with the global rank.
+    wait_for(lambda: all("[%d] hello from rank %d" % (int(w["RANK"]), int(w["RANK"]))
+                         in (a.out() + b.out() + c.out()) for w in ws), 10, "[rank] output")
+    check("[0] stderr of rank 0" in a.log() + b.log() + c.log(), "[rank] stderr")
+    # All workers exit 0: the job is complete and every agent exits 0.
+    job.command("all", "exit 0")
+    for ag in (a, b, c):
+        check(ag.wait_exit(30) == 0, "agent %s exit code" % ag.node)
+    check("job complete" in a.log(), "a says job complete")
+    os.unlink(os.path.join(job.dir, "cmd.all"))
+    # An agent started after completion exits 0 at once, starting nothing.
+    d = job.start("node-d")
+    check(d.wait_exit(15) == 0, "late agent exit 0")
+    check("complete" in d.log(), "late agent says complete: %s" % d.log())
+    check(len(job.workers()) == 6, "late agent started no worker")
+
+
+def kill_case(job, ttl, mesh):
+    job.flags += ["--lease-ttl", str(ttl), "--last-call", "0.5", "--stop-grace", "2",
+                  "--nnodes", "2:3", "--max-restarts", "10"]
+    env = {"AGENT_TEST_MESH": "1"} if mesh else None
+    a, b, c = (job.start(n, env=env) for n in ("node-a", "node-b", "node-c"))
+    rnd = job.wait_round(3, 60)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    c.proc.kill()
+    rnd2 = job.wait_round(2, ttl + 30, newer_than=rnd)
+    took = time.monotonic() - t0
+    ws = job.round_workers(rnd2)
+    check({int(w["TEST_PPID"]) for w in ws} == {a.proc.pid, b.proc.pid},
+          "the new round holds the survivors only")
+    check(a.alive() and b.alive(), "survivors still running")
+    return took
+
+
+def case_sigkill_mesh(job):
+    # A long TTL: the new round can only come this fast because the survivors'
+    # workers saw their peer go and the failure ended the round.
+    ttl = 30
+    took = kill_case(job, ttl, mesh=True)
+    check(took < ttl, "new round after %.1f s, not before the %d s lease TTL" % (took, ttl))
+    a = job.agents[0]
+    check(re.search(r"round \d+ ended: failure", a.log() + job.agents[1].log()),
+          "failure logged as the cause")
+
+
+def case_sigkill_ttl(job):
+    ttl = 3
+    took = kill_case(job, ttl, mesh=False)
+    check(took < ttl + 20, "new round after %.1f s, TTL %d s" % (took, ttl))
+    check("node-c lost" in job.agents[0].log(), "the cause names node-c: " + job.agents[0].log())
+
+
+def case_scale_up_and_spare(job):
+    job.flags += FAST + ["--nnodes", "2:3", "--max-restarts", "0"]
+    a, b = job.start("node-a"), job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    c = job.start("node-c")
+    r2 = job.wait_round(3, 60, newer_than=r1)
+    check(c.proc.pid in {int(w["TEST_PPID"]) for w in job.round_workers(r2)}, "c in round")
+    check("waiting" in a.log(), "a logs the node waiting")
+    d = job.start("node-d")
+    wait_for(lambda: "spare" in d.log(), 30, "node-d waits as a hot spare")
+    time.sleep(2)
+    check(job.running_round(3) == r2, "a spare does not end a full round")
+    check(not workers_of(job, d), "the spare runs no worker")
+    b.proc.kill()
+    r3 = job.wait_round(3, 40, newer_than=r2)
+    pids = {int(w["TEST_PPID"]) for w in job.round_workers(r3)}
+    check(pids == {a.proc.pid, c.proc.pid, d.proc.pid}, "the spare took node-b's place")
+    check("restarts 0 of 0" in a.log().splitlines()[-1] or "restarts 0" in a.log(),
+          "membership changes used no restart")
+
+
+def case_sigterm(job):
+    ttl = 30
+    job.flags += ["--lease-ttl", str(ttl), "--last-call", "0.5", "--stop-grace", "2",
+                  "--shutdown-timeout", "10", "--nnodes", "2:3"]
+    a, b, c = (job.start(n) for n in ("node-a", "node-b", "node-c"))
+    rnd = job.wait_round(3, 60)
+    cw = workers_of(job, c)
+    t0 = time.monotonic()
+    c.signal(signal.SIGTERM)
+    check(c.wait_exit(10 + 5) == 0, "SIGTERMed agent exits 0")
+    check(time.monotonic() - t0 < 12, "within --shutdown-timeout")
+    check(any({"term", "stop"} & set(job.worker_log(w["_pid"])) for w in cw),
+          "its worker was told to stop")
+    rnd2 = job.wait_round(2, ttl - 5, newer_than=rnd)
+    check(time.monotonic() - t0 < ttl, "new round before the lease TTL")
+    check("node-c left" in a.log(), "cause: node-c left")
+    check(rnd2 > rnd, "round number grew")
+
+
+def crash_until(job, a, b, how, world, rnd):
+    w = workers_of(job, a)[0]
+    job.command(w["_pid"], how)
+    return job.wait_round(world, 40, newer_than=rnd)
+
+
+def case_worker_crash(job):
+    job.flags += FAST + ["--nnodes", "2", "--max-restarts", "3"]
+    a, b = job.start("node-a"), job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    r2 = crash_until(job, a, b, "segv", 2, r1)
+    ws = job.round_workers(r2)
+    check(all(w["TORCHELASTIC_RESTART_COUNT"] == "1" for w in ws), "restart count 1")
+    r3 = crash_until(job, b, a, "exit 3", 2, r2)
+    ws = job.round_workers(r3)
+    check(all(w["TORCHELASTIC_RESTART_COUNT"] == "2" for w in ws), "restart count 2")
+    check(re.search(r"worker rank \d+ was killed by SIG(SEGV|ABRT)", a.log()), "crash reason logged")
+    check(re.search(r"worker rank \d+ exited with code 3", b.log()), "exit code logged")
+    check(a.alive() and b.alive(), "agents carry on")
+
+
+def case_restart_limit(job):
+    job.flags += FAST + ["--nnodes", "2", "--max-restarts", "1"]
+    a, b = job.start("node-a"), job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    r2 = crash_until(job, a, b, "exit 5", 2, r1)
+    w = workers_of(job, b)[0]
+    job.command(w["_pid"], "abort")
+    for ag in (a, b):
+        code = ag.wait_exit(40)
+        check(code != 0, "agent %s exit %d, want non-zero" % (ag.node, code))
+        last = ag.log().strip().splitlines()[-1]
+        check("job failed" in last and "exiting with code" in last,
+              "one line with the reason: %r" % last)
+    # A late agent sees the failed job and exits non-zero at once.
+    c = job.start("node-c")
+    check(c.wait_exit(15) != 0, "late agent on a failed job exits non-zero")
+    check(r2 > r1, "rounds grew")
+
+
+def case_ignore_term(job):
+    job.flags += FAST + ["--nnodes", "1:2", "--max-restarts", "3", "--stop-grace", "1"]
+    a = job.start("node-a", env={"AGENT_TEST_IGNORE_TERM": "1"})
+    b = job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    aw = workers_of(job, a)[0]
+    bw = workers_of(job, b)[0]
+    job.command(bw["_pid"], "exit 1")
+    r2 = job.wait_round(2, 40, newer_than=r1)
+    check("term-ignored" in job.worker_log(aw["_pid"]), "worker ignored SIGTERM")
+    check(not pid_alive(aw["_pid"]), "and was killed")
+    check("SIGKILL" in a.log(), "the agent logged the SIGKILL")
+    # The same on shutdown: killed within --shutdown-timeout, agent exits 0.
+    t0 = time.monotonic()
+    a.signal(signal.SIGTERM)
+    check(a.wait_exit(15) == 0, "agent exits 0 with a stubborn worker")
+    check(time.monotonic() - t0 < 8 + 4, "within the shutdown timeout")
+    check(r2 > r1, "new round")
+
+
+def case_etcd_restart(job):
+    job.flags += ["--lease-ttl", "10", "--last-call", "0.5", "--stop-grace", "2",
+                  "--nnodes", "2", "--max-restarts", "3"]
+    a, b = job.start("node-a"), job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    pid = int(os.environ["DUCTILE_TEST_ETCD_PID"])
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        argv = [x.decode() for x in f.read().split(b"\0") if x]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(2)
+    log = open(os.path.join(job.dir, "etcd2.log"), "w")
+    etcd = subprocess.Popen(argv, stdout=log, stderr=log)
+    try:
+        def answers():
+            try:
+                req = urllib.request.Request(ETCD + "/v3/kv/range", data=b'{"key":"Lw=="}')
+                urllib.request.urlopen(req, timeout=1).read()
+                return True
+            except (urllib.error.URLError, OSError):
+                return False
+        wait_for(answers, 20, "etcd back")
+        time.sleep(3)
+        check(a.alive() and b.alive(), "agents survived the etcd restart")
+        check(job.running_round(2) is not None, "workers still running")
+        # The job carries on: it can still change rounds and complete.
+        job.command("all", "exit 0")
+        for ag in (a, b):
+            check(ag.wait_exit(30) == 0, "agent %s completes after etcd restart" % ag.node)
+        check(r1 >= 1, "round")
+    finally:
+        etcd.kill()
+        etcd.wait()
+
+
+def case_inplace(job):
+    job.flags += FAST + ["--nnodes", "2:3", "--rebuild", "inplace", "--max-restarts", "3"]
+    a, b, c = (job.start(n) for n in ("node-a", "node-b", "node-c"))
+    r1 = job.wait_round(3, 60)
+    keep = {w["_pid"] for w in workers_of(job, a) + workers_of(job, b)}
+    wait_for(lambda: all(any(l.startswith("round %d " % r1) for l in job.worker_log(p))
+                         for p in keep), 10, "round on the control channel")
+    c.proc.kill()
+
+    def next_round():
+        logs = [job.worker_log(p) for p in keep]
+        rounds = []
+        for lg in logs:
+            rr = [l for l in lg if l.startswith("round ") and int(l.split()[1]) > r1]
+            if not rr:
+                return None
+            rounds.append(rr[-1])
+        return rounds
+    rounds = wait_for(next_round, 40, "a new round sent to the kept workers")
+    for p in keep:
+        check(pid_alive(p), "worker %d kept alive across the change" % p)
+        check(any(l.startswith("abort %d" % r1) for l in job.worker_log(p)), "abort sent")
+    for line in rounds:
+        check(" world 2 " in line and "group " in line and "/2 " in line,
+              "new round has world size 2: %r" % line)
+    ranks = sorted(int(l.split()[3]) for l in rounds)
+    check(ranks == [0, 1], "ranks 0 and 1 in the new round: %r" % rounds)
+    check(a.alive() and b.alive(), "agents alive")
+    # Stop: workers get the control message, agents exit 0.
+    a.signal(signal.SIGTERM)
+    check(a.wait_exit(15) == 0, "a exits 0")
+    check(any("stop" in job.worker_log(p) for p in keep), "stop on the control channel")
+
+
+def http_get(port, path):
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def case_http_and_status(job):
+    job.flags += FAST + ["--nnodes", "2", "--max-restarts", "2"]
+    port = free_port()
+    a = job.start("node-a", ["--http-port", str(port), "--log-format", "json"])
+    wait_for(lambda: http_get(port, "/healthz")[0] == 200 if tcp_open(port) else False, 20,
+             "/healthz")
+    check(http_get(port, "/readyz")[0] == 503, "not ready before a round")
+    b = job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    wait_for(lambda: http_get(port, "/readyz")[0] == 200, 10, "/readyz 200 in a round")
+    code, text = http_get(port, "/metrics")
+    check(code == 200, "/metrics 200")
+    for name in ["ductile_round", "ductile_members", "ductile_world_size",
+                 "ductile_restarts_total", "ductile_workers_running",
+                 "ductile_rendezvous_seconds_total", "ductile_membership_changes_total"]:
+        check("# HELP %s " % name in text and "# TYPE %s " % name in text, "HELP/TYPE " + name)
+    check(re.search(r"^ductile_round %d$" % r1, text, re.M), "ductile_round value")
+    check(re.search(r"^ductile_world_size 2$", text, re.M), "world size 2")
+    check(re.search(r"^ductile_workers_running 1$", text, re.M), "workers running 1")
+    for cause in ["member_lost", "member_left", "node_waiting", "failure"]:
+        check('ductile_membership_changes_total{cause="%s"}' % cause in text, "cause " + cause)
+    check(http_get(port, "/nope")[0] == 404, "404")
+    # A failure shows in the counters.
+    w = workers_of(job, b)[0]
+    job.command(w["_pid"], "exit 1")
+    job.wait_round(2, 40, newer_than=r1)
+    wait_for(lambda: re.search(r'^ductile_membership_changes_total\{cause="failure"\} 1$',
+                               http_get(port, "/metrics")[1], re.M), 10, "failure counted")
+    wait_for(lambda: re.search(r"^ductile_restarts_total 1$", http_get(port, "/metrics")[1],
+                               re.M), 10, "restart counted")
+    # JSON logs: every line of the agent's own log parses.
+    for line in a.log().splitlines():
+        if line.startswith("{"):
+            obj = json.loads(line)
+            check("event" in obj and "msg" in obj and obj["node"] == "node-a", "json log line")
+    check(any(json.loads(l).get("event") == "round_frozen" for l in a.log().splitlines()
+              if l.startswith("{")), "round_frozen event in JSON")
+    # status --json parses and describes the job.
+    r = run_agent(["status", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name, "--json"])
+    check(r.returncode == 0, "status exit %d: %s" % (r.returncode, r.stderr))
+    st = json.loads(r.stdout)
+    check(isinstance(st, dict), "status is an object")
+    text = json.dumps(st)
+    check("node-a" in text and "node-b" in text, "status names the members: " + text)
+    r = run_agent(["status", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name])
+    check(r.returncode == 0 and "node-a" in r.stdout, "status text")
+
+
+def tcp_open(port):
+    s = socket.socket()
+    try:
+        s.settimeout(0.5)
+        s.connect(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def case_standalone(job):
+    tmp = tempfile.mkdtemp(prefix="agent-standalone-")
+    try:
+        env = dict(os.environ, TMPDIR=tmp, AGENT_TEST_DIR=job.dir)
+        p = subprocess.Popen([ARGS.agent, "--standalone", "--nproc-per-node", "2",
+                              "--node-id", "solo", "--node-addr", "127.0.0.1", "--last-call",
+                              "0.2", "--", ARGS.worker], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            rnd = job.wait_round(2, 60)
+            ws = job.round_workers(rnd)
+            ep = ws[0]["DUCTILE_ETCD_ENDPOINTS"]
+            check(ep.startswith("http://127.0.0.1:") and ep != ETCD, "private etcd: " + ep)
+            check(ws[0]["DUCTILE_JOB"] == "standalone", "default job id")
+            check(any(n.startswith("ductile-standalone-") for n in os.listdir(tmp)), "data dir")
+            job.command("all", "exit 0")
+            _, err = p.communicate(timeout=30)
+            check(p.returncode == 0, "exit 0: " + err)
+            check(os.listdir(tmp) == [], "data dir removed: %r" % os.listdir(tmp))
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--agent", required=True)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("case")
+    ARGS = ap.parse_args()
+    fn = globals().get("case_" + ARGS.case)
+    if not fn:
+        print("no such case: " + ARGS.case, file=sys.stderr)
+        return 2
+    if not ETCD and ARGS.case != "bad_flags":
+        print("DUCTILE_TEST_ETCD is not set (run under with-etcd)", file=sys.stderr)
+        return 2
+    job = Job("t-" + ARGS.case.replace("_", "-") + "-%d" % os.getpid(), [])
+    ok = False
+    try:
+        fn(job)
+        ok = True
+    except Fail as e:
+        print("FAIL %s: %s" % (ARGS.case, e), file=sys.stderr)
+    finally:
+        job.cleanup(keep=not ok)
+    if ok:
+        print("ok %s" % ARGS.case)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
