@@ -487,6 +487,22 @@ def case_inplace(job):
     ranks = sorted(int(l.split()[3]) for l in rounds)
     check(ranks == [0, 1], "ranks 0 and 1 in the new round: %r" % rounds)
     check(a.alive() and b.alive(), "agents alive")
+    # A worker reports a failed collective on its channel: the round ends as a
+    # failure (one restart), and the workers are still kept.
+    r2 = max(int(l.split()[1]) for l in rounds)
+    aw = workers_of(job, a)[0]["_pid"]
+    job.command(aw, "fail allreduce: peer gone")
+
+    def third_round():
+        lines = [[l for l in job.worker_log(p) if l.startswith("round ") and
+                  int(l.split()[1]) > r2] for p in keep]
+        return lines if all(lines) else None
+    lines = wait_for(third_round, 40, "a round after the reported failure")
+    for p in keep:
+        check(pid_alive(p), "worker %d kept after a reported failure" % p)
+    check(all(" restarts 1 " in ls[-1] for ls in lines), "the failure counted: %r" % lines)
+    check(re.search(r"round \d+ ended: failure on node-a: worker rank \d+ reported: allreduce",
+                    b.log()), "b logs why")
     # Stop: workers get the control message, agents exit 0.
     a.signal(signal.SIGTERM)
     check(a.wait_exit(15) == 0, "a exits 0")

@@ -1,0 +1,106 @@
+/* test_control.c: the control protocol of agent/control.h, line by line.
+ *
+ * Every message survives format -> parse unchanged, and every malformed line
+ * (bad numbers, ranks out of range, missing or extra words, overlong lines)
+ * is refused rather than half-read.
+ */
+#include "control.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static int failures;
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);               \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+static void roundtrip(const agent_ctl_msg *m)
+{
+    char line[AGENT_CTL_MAX_LINE + 2];
+    int n = agent_ctl_format(m, line, sizeof(line));
+    CHECK(n > 0 && line[n - 1] == '\n' && (size_t)n == strlen(line));
+    agent_ctl_msg back;
+    CHECK(agent_ctl_parse(line, &back) == 0);
+    CHECK(back.type == m->type);
+    CHECK(back.round == m->round && back.rank == m->rank && back.world_size == m->world_size);
+    CHECK(back.local_rank == m->local_rank && back.group_rank == m->group_rank);
+    CHECK(back.group_world_size == m->group_world_size && back.restarts == m->restarts);
+    CHECK(strcmp(back.master_addr, m->master_addr) == 0 && back.master_port == m->master_port);
+    CHECK(strcmp(back.store_prefix, m->store_prefix) == 0 && back.step == m->step);
+    CHECK(strcmp(back.reason, m->reason) == 0);
+}
+
+int main(void)
+{
+    agent_ctl_msg m = {.type = AGENT_CTL_ROUND,
+                       .round = 12,
+                       .rank = 5,
+                       .world_size = 6,
+                       .local_rank = 1,
+                       .group_rank = 2,
+                       .group_world_size = 3,
+                       .restarts = 4,
+                       .master_addr = "10.0.0.7",
+                       .master_port = 29500,
+                       .store_prefix = "/ductile/job-1/rounds/12/store/"};
+    roundtrip(&m);
+    agent_ctl_msg simple[] = {
+        {.type = AGENT_CTL_ABORT, .round = 9},
+        {.type = AGENT_CTL_STOP},
+        {.type = AGENT_CTL_READY},
+        {.type = AGENT_CTL_STEP, .step = 123456789012LL},
+        {.type = AGENT_CTL_FAILED, .reason = "allreduce: peer 3 closed the connection"},
+        {.type = AGENT_CTL_FAILED, .reason = ""},
+    };
+    for (size_t i = 0; i < sizeof(simple) / sizeof(simple[0]); i++)
+        roundtrip(&simple[i]);
+
+    agent_ctl_msg out;
+    CHECK(agent_ctl_parse("step 7\r\n", &out) == 0 && out.step == 7);
+    const char *bad[] = {
+        "",
+        "\n",
+        "hello",
+        "step",
+        "step -1",
+        "step 1x",
+        "step 1 2",
+        "abort",
+        "abort x",
+        "stop now",
+        "ready 1",
+        "round 1 0 2 0 0 1 0 a 1",                        /* missing prefix */
+        "round 1 2 2 0 0 1 0 a 1 /p/",                    /* rank == world size */
+        "round 1 0 2 0 1 1 0 a 1 /p/",                    /* group rank == group world */
+        "round 1 0 0 0 0 1 0 a 1 /p/",                    /* world size 0 */
+        "round 1 0 2 0 0 1 0 a 70000 /p/",                /* port out of range */
+        "round 1 0 2 0 0 1 0 a 1 /p/ extra",              /* extra word */
+        "round 99999999999999999999 0 2 0 0 1 0 a 1 /p/", /* overflow */
+        "ROUND 1 0 2 0 0 1 0 a 1 /p/",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        if (agent_ctl_parse(bad[i], &out) == 0) {
+            fprintf(stderr, "accepted a bad line: '%s'\n", bad[i]);
+            failures++;
+        }
+    }
+    char longline[AGENT_CTL_MAX_LINE + 10];
+    memset(longline, 'x', sizeof(longline) - 1);
+    memcpy(longline, "failed ", 7);
+    longline[sizeof(longline) - 1] = 0;
+    CHECK(agent_ctl_parse(longline, &out) != 0);
+    agent_ctl_msg nl = {.type = AGENT_CTL_FAILED, .reason = "two\nlines"};
+    char buf[64];
+    CHECK(agent_ctl_format(&nl, buf, sizeof(buf)) < 0);
+    CHECK(agent_ctl_format(&m, buf, 8) < 0); /* does not fit */
+    agent_ctl_msg none = {.type = AGENT_CTL_INVALID};
+    CHECK(agent_ctl_format(&none, buf, sizeof(buf)) < 0);
+    if (failures) return 1;
+    printf("ok control protocol\n");
+    return 0;
+}
