@@ -538,9 +538,9 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
         case CURLE_BAD_CONTENT_ENCODING:
         case CURLE_HTTP2:
         case CURLE_HTTP3:
+        case CURLE_UNSUPPORTED_PROTOCOL: /* schemes are checked up front: an HTTP/0.9 reply */
             conn_seterr(k, "%s", last);
             return ETCD_ERR_PROTOCOL;
-        case CURLE_UNSUPPORTED_PROTOCOL:
         case CURLE_URL_MALFORMAT:
             conn_seterr(k, "%s", last);
             return ETCD_ERR_ARG;

@@ -269,13 +269,14 @@ int etcd_parse_error(const char *body, size_t len, int *code, char *msg, size_t 
     int found = 0;
     const cJSON *src = root;
     const cJSON *e = cJSON_GetObjectItemCaseSensitive(root, "error");
-    if (cJSON_IsObject(e))
-        src = e; /* stream error */
-    else if (!cJSON_IsString(e))
-        goto out;
+    if (cJSON_IsObject(e)) src = e; /* stream error */
     const cJSON *c = cJSON_GetObjectItemCaseSensitive(src, "code");
     if (!cJSON_IsNumber(c)) c = cJSON_GetObjectItemCaseSensitive(src, "grpc_code");
     const cJSON *m = cJSON_GetObjectItemCaseSensitive(src, "message");
+    /* an error is "error" (text or object), or at least a code and a message */
+    if (!cJSON_IsObject(root) ||
+        !(cJSON_IsObject(e) || cJSON_IsString(e) || (cJSON_IsNumber(c) && cJSON_IsString(m))))
+        goto out;
     if (!cJSON_IsString(m) && cJSON_IsString(e)) m = e;
     *code = cJSON_IsNumber(c) && c->valuedouble >= 0 && c->valuedouble <= 1000 ? (int)c->valuedouble
                                                                                : -1;

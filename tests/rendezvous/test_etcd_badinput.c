@@ -1,0 +1,445 @@
+/* test_etcd_badinput.c: answers etcd never gives, from a fake server.
+ *
+ * Malformed JSON, wrong types, missing fields, bad base64, truncated and
+ * oversized bodies, error bodies that must or must not be retried, a server
+ * that never answers, and watch streams that send garbage or break in the
+ * middle of a message. Each must end in a clear error code and message (or,
+ * for a transient failure followed by a good answer, in success after a
+ * retry), never a crash or a leak (this runs under ASan).
+ */
+#include "etcd.h"
+#include "test_etcd_fake.h"
+#include "test_etcd_util.h"
+
+#include <unistd.h>
+
+static fake_server fk;
+static etcd_client *c;
+
+#define HDR "{\"header\":{\"revision\":\"7\"}"
+#define EV(rev, val)                                                                               \
+    "{\"kv\":{\"key\":\"L3cvaw==\",\"mod_revision\":\"" #rev "\",\"value\":\"" val "\"}}"
+
+static const char *ok_range = HDR ",\"kvs\":[{\"key\":\"L2s=\",\"value\":\"dg==\","
+                                  "\"mod_revision\":\"5\"}],\"count\":\"1\"}";
+
+/* One range against a script; returns the error, *reqs the requests made. */
+static etcd_err range_script(const fake_reply *r, size_t n, int *reqs)
+{
+    fake_script(&fk, r, n);
+    etcd_range_result res;
+    etcd_err e = etcd_range(c, "/k", 0, 0, &res);
+    if (e == ETCD_OK) etcd_range_result_free(&res);
+    *reqs = fake_requests(&fk);
+    return e;
+}
+
+/* A 200 answer with this body must give want and a message with hint. */
+static void expect_range(const char *body, etcd_err want, const char *hint)
+{
+    char *http = fake_http(200, body);
+    fake_reply r = {.data = http};
+    int reqs;
+    etcd_err e = range_script(&r, 1, &reqs);
+    if (e != want || !strstr(etcd_last_error(c), hint) || reqs != 1) {
+        fprintf(stderr, "body %.80s: got %s (%s) after %d requests, want %s with \"%s\"\n", body,
+                etcd_strerror(e), etcd_last_error(c), reqs, etcd_strerror(want), hint);
+        exit(1);
+    }
+    free(http);
+}
+
+static void test_malformed_answers(void)
+{
+    expect_range(ok_range, ETCD_OK, "");
+    expect_range("{not json", ETCD_ERR_PROTOCOL, "not valid JSON");
+    expect_range("", ETCD_ERR_PROTOCOL, "not valid JSON");
+    expect_range("[1,2]", ETCD_ERR_PROTOCOL, "not an object");
+    expect_range("{\"kvs\":\"x\"}", ETCD_ERR_PROTOCOL, "\"kvs\" is not an array");
+    expect_range("{\"kvs\":[5]}", ETCD_ERR_PROTOCOL, "not an object");
+    expect_range("{\"kvs\":[{\"key\":5}]}", ETCD_ERR_PROTOCOL, "\"key\" is not a string");
+    expect_range("{\"kvs\":[{\"key\":\"!!!!\"}]}", ETCD_ERR_PROTOCOL, "not valid base64");
+    expect_range("{\"kvs\":[{\"key\":\"L2s\"}]}", ETCD_ERR_PROTOCOL, "not valid base64");
+    expect_range("{\"kvs\":[{\"key\":\"L2s=\",\"value\":\"d===\"}]}", ETCD_ERR_PROTOCOL,
+                 "not valid base64");
+    expect_range("{\"count\":\"abc\"}", ETCD_ERR_PROTOCOL, "\"count\" is not a 64-bit integer");
+    expect_range("{\"count\":\"99999999999999999999\"}", ETCD_ERR_PROTOCOL, "64-bit");
+    expect_range("{\"count\":\" 5\"}", ETCD_ERR_PROTOCOL, "64-bit");
+    expect_range("{\"count\":1.5}", ETCD_ERR_PROTOCOL, "exact integer");
+    expect_range("{\"count\":1e300}", ETCD_ERR_PROTOCOL, "exact integer");
+    expect_range("{\"count\":true}", ETCD_ERR_PROTOCOL, "wrong type");
+    expect_range("{\"header\":[]}", ETCD_ERR_PROTOCOL, "\"header\" is not an object");
+    expect_range("{\"more\":\"yes\"}", ETCD_ERR_PROTOCOL, "not a boolean");
+    /* numbers are accepted where a double holds them exactly */
+    expect_range("{\"header\":{\"revision\":12},\"count\":0}", ETCD_OK, "");
+    /* int64 extremes as strings, never through a double */
+    char *http = fake_http(200, "{\"header\":{\"revision\":\"9223372036854775807\"},"
+                                "\"kvs\":[{\"key\":\"L2s=\",\"lease\":\"-9223372036854775808\"}]}");
+    fake_reply r = {.data = http};
+    fake_script(&fk, &r, 1);
+    etcd_range_result res;
+    CHECK_OK(c, etcd_range(c, "/k", 0, 0, &res));
+    CHECK(res.revision == INT64_MAX && res.n == 1 && res.kvs[0].lease == INT64_MIN);
+    CHECK(strcmp(res.kvs[0].key, "/k") == 0 && res.kvs[0].value_len == 0);
+    etcd_range_result_free(&res);
+    free(http);
+
+    /* other calls' answers */
+    struct {
+        const char *body;
+        etcd_err want;
+    } lease_cases[] = {
+        {"{}", ETCD_ERR_PROTOCOL},                           /* keep-alive without result */
+        {"{\"result\":5}", ETCD_ERR_PROTOCOL},               /* result of the wrong type */
+        {"{\"result\":{\"ID\":\"1\"}}", ETCD_ERR_NOT_FOUND}, /* no TTL: lease gone */
+        {"{\"result\":{\"ID\":\"1\",\"TTL\":\"x\"}}", ETCD_ERR_PROTOCOL},
+        {"{\"result\":{\"ID\":\"1\",\"TTL\":\"9\"}}", ETCD_OK},
+    };
+    for (size_t i = 0; i < sizeof(lease_cases) / sizeof(lease_cases[0]); i++) {
+        http = fake_http(200, lease_cases[i].body);
+        r = (fake_reply){.data = http};
+        fake_script(&fk, &r, 1);
+        int64_t ttl = 0;
+        CHECK_ERR(c, lease_cases[i].want, etcd_lease_keepalive(c, 1, &ttl));
+        CHECK(lease_cases[i].want != ETCD_OK || ttl == 9);
+        free(http);
+    }
+    http = fake_http(200, "{\"header\":{}}"); /* grant without an ID */
+    r = (fake_reply){.data = http};
+    fake_script(&fk, &r, 1);
+    int64_t id;
+    CHECK_ERR(c, ETCD_ERR_PROTOCOL, etcd_lease_grant(c, 5, &id));
+    free(http);
+    http = fake_http(200, "[]");
+    r = (fake_reply){.data = http};
+    fake_script(&fk, &r, 1);
+    CHECK_ERR(c, ETCD_ERR_PROTOCOL, etcd_put(c, "/k", "v", 1, 0, NULL));
+    CHECK_ERR(c, ETCD_ERR_PROTOCOL, etcd_delete(c, "/k", 1, NULL));
+    free(http);
+    /* txn: answers that do not match the operations sent */
+    etcd_op op = {.type = ETCD_OP_RANGE, .key = "/k"};
+    etcd_txn_result t;
+    const char *txn_bad[] = {
+        "{\"succeeded\":true}",                                        /* no responses */
+        "{\"succeeded\":true,\"responses\":[{},{}]}",                  /* two for one */
+        "{\"succeeded\":true,\"responses\":{}}",                       /* not an array */
+        "{\"succeeded\":true,\"responses\":[{\"response_range\":7}]}", /* wrong type */
+        "{\"succeeded\":1,\"responses\":[{}]}",
+    };
+    for (size_t i = 0; i < sizeof(txn_bad) / sizeof(txn_bad[0]); i++) {
+        http = fake_http(200, txn_bad[i]);
+        r = (fake_reply){.data = http};
+        fake_script(&fk, &r, 1);
+        CHECK_ERR(c, ETCD_ERR_PROTOCOL, etcd_txn(c, NULL, 0, &op, 1, NULL, 0, &t));
+        free(http);
+    }
+    http = fake_http(200, "{\"responses\":[{\"response_range\":{\"kvs\":[{\"key\":\"L2s=\"}]}}]}");
+    r = (fake_reply){.data = http};
+    fake_script(&fk, &r, 1);
+    CHECK_OK(c, etcd_txn(c, NULL, 0, NULL, 0, &op, 1, &t)); /* no "succeeded": false */
+    CHECK(!t.succeeded && t.n == 1 && t.ranges[0].n == 1);
+    etcd_txn_result_free(&t);
+    free(http);
+}
+
+static void test_errors_and_retries(void)
+{
+    char *unavail = fake_http(503, "{\"error\":\"etcdserver: no leader\",\"code\":14,"
+                                   "\"message\":\"etcdserver: no leader\"}");
+    char *bad_req = fake_http(400, "{\"error\":\"bad\",\"code\":3,\"message\":\"bad thing\"}");
+    char *internal = fake_http(500, "{\"error\":\"x\",\"code\":2,\"message\":\"unknown thing\"}");
+    char *proxy = fake_http(502, "<html>bad gateway</html>");
+    char *notfound = fake_http(404, "{\"error\":\"x\",\"code\":5,\"message\":\"lease not found\"}");
+    char *unauth =
+        fake_http(401, "{\"error\":\"x\",\"code\":16,\"message\":\"invalid auth token\"}");
+    char *compacted = fake_http(400, "{\"code\":11,\"message\":\"mvcc: required revision has been "
+                                     "compacted\"}");
+    char *ok = fake_http(200, ok_range);
+    int reqs;
+    /* transient: retried, then the good answer */
+    fake_reply s1[] = {{.data = unavail}, {.data = proxy}, {.data = unavail}, {.data = ok}};
+    CHECK_OK(c, range_script(s1, 4, &reqs));
+    CHECK(reqs == 4);
+    /* a truncated answer to a range is a broken connection: retried */
+    const char *trunc =
+        "HTTP/1.1 200 X\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"kvs\":[";
+    fake_reply s2[] = {{.data = trunc}, {.data = ok}};
+    CHECK_OK(c, range_script(s2, 2, &reqs));
+    CHECK(reqs == 2);
+    /* ... but a put that may have been applied is not sent again */
+    fake_script(&fk, s2, 2);
+    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
+    CHECK(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    /* a put whose connection was refused before sending is retried (see
+     * test_etcd_failure's failover); answers that are verdicts are not */
+    struct {
+        char *reply;
+        etcd_err want;
+        const char *hint;
+    } final[] = {
+        {bad_req, ETCD_ERR_ARG, "bad thing"},
+        {internal, ETCD_ERR_SERVER, "unknown thing"},
+        {notfound, ETCD_ERR_NOT_FOUND, "lease not found"},
+        {unauth, ETCD_ERR_AUTH, "invalid auth token"},
+        {compacted, ETCD_ERR_COMPACTED, "compacted"},
+    };
+    for (size_t i = 0; i < sizeof(final) / sizeof(final[0]); i++) {
+        fake_reply s[] = {{.data = final[i].reply}, {.data = ok}};
+        CHECK_ERR(c, final[i].want, range_script(s, 2, &reqs));
+        CHECK(reqs == 1 && strstr(etcd_last_error(c), final[i].hint));
+    }
+    /* transient forever: UNAVAILABLE... at the deadline, with the last reason */
+    etcd_set_timeout(c, 600);
+    fake_reply s3[] = {{.data = unavail}};
+    int64_t t0 = test_now_ms();
+    CHECK_ERR(c, ETCD_ERR_TIMEOUT, range_script(s3, 1, &reqs));
+    int64_t took = test_now_ms() - t0;
+    CHECK(took >= 550 && took < 5000 && reqs >= 3 && strstr(etcd_last_error(c), "no leader"));
+    /* a server that takes the request and never answers: TIMEOUT at the deadline */
+    fake_reply s4[] = {{.silent = 1}};
+    t0 = test_now_ms();
+    CHECK_ERR(c, ETCD_ERR_TIMEOUT, range_script(s4, 1, &reqs));
+    took = test_now_ms() - t0;
+    CHECK(took >= 550 && took < 5000 && reqs == 1);
+    etcd_set_timeout(c, 0);
+    /* not HTTP at all */
+    fake_reply s5[] = {{.data = "SSH-2.0-OpenSSH\r\n\r\n"}};
+    CHECK_ERR(c, ETCD_ERR_PROTOCOL, range_script(s5, 1, &reqs));
+    free(unavail);
+    free(bad_req);
+    free(internal);
+    free(proxy);
+    free(notfound);
+    free(unauth);
+    free(compacted);
+    free(ok);
+}
+
+static void test_huge_answers(void)
+{
+    /* over 64 MiB for a range, over 1 MiB for a put: cut off, not buffered */
+    size_t big = ((size_t)64 << 20) + 4096;
+    char *resp = malloc(big + 256);
+    CHECK(resp);
+    int h = snprintf(resp, 256,
+                     "HTTP/1.1 200 X\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n{\"kvs\":[",
+                     big);
+    memset(resp + h, ' ', big - 9);
+    fake_reply r = {.data = resp, .len = (size_t)h + big - 9};
+    int reqs;
+    CHECK_ERR(c, ETCD_ERR_TOO_LARGE, range_script(&r, 1, &reqs));
+    CHECK(reqs == 1 && strstr(etcd_last_error(c), "larger than"));
+    h = snprintf(resp, 256, "HTTP/1.1 200 X\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n{",
+                 (size_t)2 << 20);
+    memset(resp + h, ' ', (size_t)2 << 20);
+    r = (fake_reply){.data = resp, .len = (size_t)h + ((size_t)2 << 20)};
+    fake_script(&fk, &r, 1);
+    CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_put(c, "/k", "v", 1, 0, NULL));
+    free(resp);
+
+    /* and requests over etcd's limits are refused before sending */
+    size_t vlen = ((size_t)3 << 19) + 1;
+    char *v = calloc(1, vlen);
+    CHECK(v);
+    fake_script(&fk, NULL, 0);
+    CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_put(c, "/k", v, vlen, 0, NULL));
+    etcd_op op = {.type = ETCD_OP_PUT, .key = "/k", .value = v, .value_len = vlen};
+    CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_txn(c, NULL, 0, &op, 1, NULL, 0, NULL));
+    CHECK(fake_requests(&fk) == 0);
+    free(v);
+}
+
+#define STREAM_HDR "HTTP/1.1 200 X\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+#define CREATED "{\"result\":{\"header\":{\"revision\":\"10\"},\"created\":true}}\n"
+
+static etcd_watch *open_watch(const fake_reply *r, size_t n)
+{
+    fake_script(&fk, r, n);
+    etcd_watch *w;
+    CHECK_OK(c, etcd_watch_open(c, "/w/", 1, 0, &w));
+    return w;
+}
+
+static void test_watch_streams(void)
+{
+    etcd_event *ev;
+    size_t n;
+    etcd_err last;
+    /* breaks in the middle of the second event; the resume repeats the first
+     * (dropped as already seen), completes the second, adds a third */
+    fake_reply s1[] = {
+        {.data = STREAM_HDR CREATED
+         "{\"result\":{\"events\":[" EV(11, "YQ==") "]}}\n{\"result\":{\"ev"},
+        {STREAM_HDR CREATED "{\"result\":{\"events\":[" EV(11, "YQ==") "," EV(
+             12, "Yg==") "]}}\n"
+                         "{\"result\":{\"events\":[{\"type\":\"DELETE\",\"kv\":{\"key\":"
+                         "\"L3cvaw==\",\"mod_revision\":\"13\"}}]}}\n",
+         .hold_ms = 3000},
+    };
+    etcd_watch *w = open_watch(s1, 2);
+    size_t got = test_watch_collect(w, 3, 5000, &ev, &last);
+    CHECK(got == 3 && last == ETCD_OK);
+    CHECK(ev[0].kv.mod_revision == 11 && strcmp(ev[0].kv.value, "a") == 0);
+    CHECK(ev[1].kv.mod_revision == 12 && strcmp(ev[1].kv.value, "b") == 0);
+    CHECK(ev[2].type == ETCD_EVENT_DELETE && ev[2].kv.mod_revision == 13);
+    CHECK(strcmp(ev[2].kv.key, "/w/k") == 0);
+    etcd_events_free(ev, got);
+    CHECK(etcd_watch_revision(w) == 13);
+    char body[4096];
+    fake_last_body(&fk, body, sizeof(body));
+    CHECK(strstr(body, "\"start_revision\":\"12\""));
+    etcd_watch_close(w);
+
+    /* garbage in the stream: reported once, then the stream resumes */
+    fake_reply s2[] = {
+        {.data = STREAM_HDR CREATED
+         "{\"result\":{\"events\":[" EV(11, "YQ==") "]}}\nthis is not json\n"},
+        {.data = STREAM_HDR CREATED "{\"result\":{\"events\":[" EV(12, "Yg==") "]}}\n",
+         .hold_ms = 3000},
+    };
+    w = open_watch(s2, 2);
+    CHECK_OK(c, etcd_watch_next(w, 3000, &ev, &n));
+    CHECK(n == 1 && ev[0].kv.mod_revision == 11);
+    etcd_events_free(ev, n);
+    CHECK(etcd_watch_next(w, 3000, &ev, &n) == ETCD_ERR_PROTOCOL && n == 0);
+    CHECK(strstr(etcd_watch_last_error(w), "not valid JSON"));
+    got = test_watch_collect(w, 1, 3000, &ev, &last);
+    CHECK(got == 1 && ev[0].kv.mod_revision == 12);
+    etcd_events_free(ev, got);
+    etcd_watch_close(w);
+
+    /* wrong types inside a message; events out of order */
+    const char *bad_msgs[] = {
+        "{\"result\":{\"events\":[{\"type\":\"BOGUS\",\"kv\":{\"key\":\"L3c=\"}}]}}\n",
+        "{\"result\":{\"events\":[{\"type\":\"PUT\"}]}}\n",
+        "{\"result\":{\"events\":{}}}\n",
+        "{\"result\":{\"events\":[{\"kv\":{\"key\":\"***\"}}]}}\n",
+        "{\"result\":{\"events\":[" EV(15, "YQ==") "," EV(14, "YQ==") "]}}\n",
+        "{\"result\":7}\n",
+        "[]\n",
+    };
+    char stream[1024];
+    for (size_t i = 0; i < sizeof(bad_msgs) / sizeof(bad_msgs[0]); i++) {
+        snprintf(stream, sizeof(stream), STREAM_HDR CREATED "%s", bad_msgs[i]);
+        fake_reply s[] = {{.data = stream, .hold_ms = 2000}};
+        w = open_watch(s, 1);
+        etcd_err e = etcd_watch_next(w, 2000, &ev, &n);
+        if (e != ETCD_ERR_PROTOCOL || n != 0) {
+            fprintf(stderr, "message %s: got %s\n", bad_msgs[i], etcd_strerror(e));
+            exit(1);
+        }
+        etcd_watch_close(w);
+    }
+
+    /* server verdicts inside the stream end the watch */
+    struct {
+        const char *msg;
+        etcd_err want;
+    } verdicts[] = {
+        {"{\"error\":{\"grpc_code\":7,\"http_code\":403,\"message\":\"permission denied\"}}\n",
+         ETCD_ERR_AUTH},
+        {"{\"result\":{\"canceled\":true,\"cancel_reason\":\"going away\"}}\n", ETCD_ERR_CANCELED},
+        {"{\"result\":{\"canceled\":true,\"compact_revision\":\"42\"}}\n", ETCD_ERR_COMPACTED},
+    };
+    for (size_t i = 0; i < sizeof(verdicts) / sizeof(verdicts[0]); i++) {
+        snprintf(stream, sizeof(stream), STREAM_HDR CREATED "%s", verdicts[i].msg);
+        fake_reply s[] = {{.data = stream, .hold_ms = 2000}};
+        w = open_watch(s, 1);
+        CHECK(etcd_watch_next(w, 2000, &ev, &n) == verdicts[i].want && n == 0);
+        CHECK(etcd_watch_next(w, 10, &ev, &n) == verdicts[i].want);
+        if (verdicts[i].want == ETCD_ERR_COMPACTED) CHECK(etcd_watch_revision(w) == 42);
+        etcd_watch_close(w);
+    }
+
+    /* an open that never gets "created" or gets garbage first */
+    etcd_set_timeout(c, 500);
+    fake_reply s3[] = {{.data = STREAM_HDR "garbage\n", .hold_ms = 2000}};
+    fake_script(&fk, s3, 1);
+    etcd_watch *none = NULL;
+    CHECK_ERR(c, ETCD_ERR_PROTOCOL, etcd_watch_open(c, "/w/", 1, 0, &none));
+    CHECK(none == NULL);
+    fake_reply s4[] = {{.data = STREAM_HDR, .hold_ms = 3000}};
+    fake_script(&fk, s4, 1);
+    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_watch_open(c, "/w/", 1, 0, &none));
+    fake_reply s5[] = {{.data = "HTTP/1.1 400 X\r\nContent-Length: 40\r\nConnection: close\r\n\r\n"
+                                "{\"code\":3,\"message\":\"bad watch range\"}  "}};
+    fake_script(&fk, s5, 1);
+    CHECK_ERR(c, ETCD_ERR_ARG, etcd_watch_open(c, "/w/", 1, 0, &none));
+    CHECK(strstr(etcd_last_error(c), "bad watch range"));
+    etcd_set_timeout(c, 0);
+
+    /* a stream that keeps breaking: UNAVAILABLE after the client timeout,
+     * and the watch keeps trying */
+    etcd_set_timeout(c, 400);
+    fake_reply s6[] = {{.data = STREAM_HDR CREATED}, {.data = NULL}};
+    w = open_watch(s6, 2);
+    int64_t t0 = test_now_ms();
+    etcd_err e = ETCD_OK;
+    while (e == ETCD_OK && test_now_ms() - t0 < 5000)
+        e = etcd_watch_next(w, 100, &ev, &n);
+    CHECK(e == ETCD_ERR_UNAVAILABLE && strstr(etcd_watch_last_error(w), "still trying"));
+    etcd_watch_close(w);
+    etcd_set_timeout(c, 0);
+}
+
+static void test_config_errors(void)
+{
+    etcd_client *x = NULL;
+    char err[256];
+    struct {
+        etcd_config cfg;
+        etcd_err want;
+        const char *hint;
+    } cases[] = {
+        {{.endpoints = ""}, ETCD_ERR_ARG, "no etcd endpoints"},
+        {{.endpoints = " , "}, ETCD_ERR_ARG, "no etcd endpoints"},
+        {{.endpoints = "ftp://127.0.0.1:1"}, ETCD_ERR_ARG, "only http"},
+        {{.endpoints = "http://"}, ETCD_ERR_ARG, "scheme://host:port"},
+        {{.endpoints = "127.0.0.1:1", .cacert = "/nonexistent/ca.pem"},
+         ETCD_ERR_TLS,
+         "/nonexistent/ca.pem"},
+        {{.endpoints = "127.0.0.1:1", .cert = "/nonexistent/c.pem"}, ETCD_ERR_TLS, "certificate"},
+        {{.endpoints = "127.0.0.1:1", .key = "/etc/hostname"}, ETCD_ERR_ARG, "client key"},
+        {{.endpoints = "127.0.0.1:1", .user = "u"}, ETCD_ERR_ARG, "password"},
+        {{.endpoints = "127.0.0.1:1", .timeout_ms = -1}, ETCD_ERR_ARG, "timeout"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        etcd_err e = etcd_client_new_err(&cases[i].cfg, &x, err, sizeof(err));
+        if (e != cases[i].want || x || !strstr(err, cases[i].hint)) {
+            fprintf(stderr, "config %zu: got %s (%s)\n", i, etcd_strerror(e), err);
+            exit(1);
+        }
+    }
+    CHECK(etcd_client_new(NULL, &x) == ETCD_ERR_ARG && x == NULL);
+
+    /* a CA file that is not PEM: the first call over https fails with TLS */
+    char ca[] = "/tmp/ductile-badca-XXXXXX";
+    int fd = mkstemp(ca);
+    CHECK(fd >= 0 && write(fd, "not a certificate\n", 18) == 18);
+    close(fd);
+    char eps[128];
+    snprintf(eps, sizeof(eps), "https://127.0.0.1:%d", fk.port);
+    etcd_config cfg = {.endpoints = eps, .cacert = ca, .timeout_ms = 2000};
+    CHECK_OK(x, etcd_client_new_err(&cfg, &x, err, sizeof(err)));
+    fake_script(&fk, NULL, 0);
+    etcd_kv kv;
+    CHECK_ERR(x, ETCD_ERR_TLS, etcd_get(x, "/k", &kv));
+    CHECK(strlen(etcd_last_error(x)) > 0);
+    etcd_client_free(x);
+    unlink(ca);
+}
+
+int main(void)
+{
+    CHECK(fake_start(&fk) == 0);
+    c = test_client(fk.endpoint, 2000);
+    test_malformed_answers();
+    test_errors_and_retries();
+    test_huge_answers();
+    test_watch_streams();
+    test_config_errors();
+    etcd_client_free(c);
+    fake_stop(&fk);
+    printf("test_etcd_badinput: ok\n");
+    return 0;
+}
