@@ -10,6 +10,7 @@ that the render fails and that the message points at what was broken.
 import copy
 
 import helm_python as helm
+import jsonschema
 import pytest
 
 from conftest import EXAMPLE_JOBS, load_values
@@ -122,6 +123,18 @@ def test_good_job_renders(chart):
     assert chart.render(GOOD, name="demo")
 
 
+def test_schema_is_valid_draft7(chart):
+    jsonschema.Draft7Validator.check_schema(chart.schema)
+    assert chart.schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+
+
+@pytest.mark.parametrize("path", [None] + EXAMPLE_JOBS,
+                         ids=["defaults"] + [p.name for p in EXAMPLE_JOBS])
+def test_shipped_values_valid_for_draft7(chart, path):
+    values = load_values(path) if path else None
+    jsonschema.Draft7Validator(chart.schema).validate(chart.merge_values(values))
+
+
 @pytest.mark.parametrize("patch,fragments", [r[1:] for r in SCHEMA_RULES],
                          ids=[r[0] for r in SCHEMA_RULES])
 def test_schema_rejects(chart, patch, fragments):
@@ -134,6 +147,10 @@ def test_schema_rejects(chart, patch, fragments):
     # The schema alone (no template run) rejects it too: it is a schema rule.
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(values)
+    # So does a second, independent draft-07 validator (older Helm releases
+    # use another JSON Schema library than Helm 4).
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(chart.schema).validate(chart.merge_values(values))
 
 
 @pytest.mark.parametrize("patch,fragments", [r[1:] for r in TEMPLATE_RULES],
@@ -182,12 +199,12 @@ def test_example_job_breaks_on_a_typo(chart, path):
 
 # Objects whose inside is a Kubernetes structure passed through unchanged
 # (checked by the API server, and by test_render with kubernetes-validate).
-PASS_THROUGH = {"/properties/global", "/$defs/affinity/properties/nodeAffinity",
-                "/$defs/affinity/properties/podAffinity",
-                "/$defs/affinity/properties/podAntiAffinity",
+PASS_THROUGH = {"/properties/global", "/definitions/affinity/properties/nodeAffinity",
+                "/definitions/affinity/properties/podAffinity",
+                "/definitions/affinity/properties/podAntiAffinity",
                 "/properties/workers/properties/topologySpreadConstraints/items",
                 "/properties/networkPolicy/properties/metricsFrom/items",
-                "/$defs/stringMap"}
+                "/definitions/stringMap"}
 
 
 def test_schema_closed_everywhere(chart):
