@@ -250,9 +250,10 @@ def test_every_default_value_is_described(chart):
             continue  # a section header, described by its children
         if commented(i):
             continue
-        # Walk up the enclosing keys; one of them must carry the comment.
+        # Walk up the enclosing keys below the top-level sections (whose
+        # comment describes the section, not each key); one must carry it.
         indent, j, ok = len(m.group(1)), i, False
-        while indent > 0 and not ok:
+        while indent > 2 and not ok:
             j = next((k for k in range(j - 1, -1, -1)
                       if lines[k].strip() and not lines[k].strip().startswith("#")
                       and len(lines[k]) - len(lines[k].lstrip()) < indent), None)
