@@ -130,7 +130,7 @@ static void usage(FILE *f)
 
 static int bad_value(const char *name, const char *v, const char *want)
 {
-    fprintf(stderr, "ductile-train: --%s: bad value '%s' (%s)\n", name, v, want);
+    fprintf(stderr, "ductile-train: --%s: bad value '%s' (%s; see --help)\n", name, v, want);
     return -1;
 }
 
@@ -547,11 +547,10 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
             return fail("rank %d: step %lld: %s: %s", t->g.rank, (long long)t->st.step,
                         ddp_strerror(de), ddp_last_error(t->r));
     }
+    /* The schedule follows samples, not steps, so it survives a change of
+     * world size; --max-steps does not change it, so a run cut short and
+     * resumed follows the same curve as one that never stopped. */
     int64_t total = (int64_t)t->o.epochs * t->train.n;
-    if (t->o.max_steps) {
-        int64_t by_steps = t->o.max_steps * t->o.accumulate * t->o.batch * (int64_t)t->g.world;
-        total = by_steps < total ? by_steps : total;
-    }
     float lr =
         optim_lr(t->o.lr, t->st.step, t->o.warmup, (double)t->st.samples / total, t->o.cosine);
     optim_step(t->opt, t->m, lr);
@@ -749,8 +748,8 @@ int main(int argc, char **argv)
 {
     static trainer t;
     int rc = parse_options(argc, argv, &t.o);
-    if (rc != 0) {
-        usage(rc > 0 ? stdout : stderr);
+    if (rc != 0) { /* the bad value was already named in one line */
+        if (rc > 0) usage(stdout);
         return rc > 0 ? 0 : 2;
     }
     signal(SIGPIPE, SIG_IGN);
@@ -795,7 +794,12 @@ int main(int argc, char **argv)
             say(&t, "epoch %lld test_accuracy %.4f at %.1f s", (long long)t.st.epoch, acc,
                 now_s() - t0);
         }
-        if (stop) why = stop_signal ? "signal" : "max_steps";
+        if (stop && stop_signal)
+            why = "signal";
+        else if (stop && t.o.max_steps && t.st.step >= t.o.max_steps)
+            why = "max_steps";
+        else if (stop)
+            why = "peer"; /* another rank asked everyone to stop */
         stop = stop || t.st.epoch >= t.o.epochs;
         if (t.o.checkpoint_every && t.st.step % t.o.checkpoint_every == 0 && !stop)
             save_checkpoint(&t);
