@@ -12,8 +12,9 @@
  * etcd restart costs a re-read, never a wrong belief.
  *
  * Watches (each on its own thread, feeding the driver's inbox) are what
- * wake the driver; there is no polling. Every agent watches `round`,
- * `nodes/` and `waiting/`; only the earliest joiner of an open round watches
+ * wake the driver; there is no polling. Every agent watches `round`, and
+ * from its first frozen round on `nodes/` and `waiting/`; only the earliest
+ * joiner of an open round watches
  * the joins, the others watch just the join key before theirs (the etcd
  * election recipe), so a freezer that dies is replaced at once. A keep-alive
  * thread renews the lease at TTL/3 on its own connection so that a slow
@@ -117,7 +118,7 @@ static void dlog(const rdzv *r, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(buf, sizeof(buf), fmt, ap);
     va_end(ap);
-    fprintf(stderr, "rdzv[%s]: %s\n", r->node, buf);
+    fprintf(stderr, "rdzv[%s] %.3f: %s\n", r->node, rdzv_now_ms() / 1000.0, buf);
 }
 
 /* ---- events to the caller ---- */
@@ -443,32 +444,46 @@ static rdzv_err read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *m
     return err;
 }
 
-static rdzv_err read_snapshot(rdzv *r, int64_t number, int64_t mod, snapshot *s, int *moved)
+/* The snapshot a step needs, read in one txn guarded by the round record's
+ * mod_revision: for a frozen round the node keys, waiting keys and leave
+ * markers; for an open round its joins and this node's own key. Reading
+ * only what the state needs keeps a round of N agents at O(N) keys each. */
+static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
 {
     char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX],
         left[RDZV_KEY_MAX];
+    long long number = (long long)rec->number;
     rdzv_key(round, sizeof(round), r->cfg.job, "round");
-    rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/");
+    if (rec->frozen)
+        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/");
+    else
+        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/%s", r->node);
     rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/");
-    rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", (long long)number);
-    rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", (long long)number);
+    rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", number);
+    rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", number);
     etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
-    etcd_op ops[4] = {
-        {.type = ETCD_OP_RANGE, .key = nodes, .prefix = 1},
-        {.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1},
-        {.type = ETCD_OP_RANGE, .key = joined, .prefix = 1},
-        {.type = ETCD_OP_RANGE, .key = left, .prefix = 1},
-    };
+    etcd_op ops[3];
+    ops[0] = (etcd_op){.type = ETCD_OP_RANGE, .key = nodes, .prefix = rec->frozen};
+    if (rec->frozen) {
+        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
+        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
+    } else {
+        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
+    }
+    size_t nops = rec->frozen ? 3 : 2;
     memset(s, 0, sizeof(*s));
-    etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, 4, NULL, 0, &s->txn);
+    etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
     *moved = !s->txn.succeeded;
     if (*moved) return RDZV_OK;
-    if (s->txn.n != 4) return RDZV_ERR_PROTOCOL;
+    if (s->txn.n != nops) return RDZV_ERR_PROTOCOL;
     s->nodes = &s->txn.ranges[0];
-    s->waiting = &s->txn.ranges[1];
-    s->joined = &s->txn.ranges[2];
-    s->left = &s->txn.ranges[3];
+    if (rec->frozen) {
+        s->waiting = &s->txn.ranges[1];
+        s->left = &s->txn.ranges[2];
+    } else {
+        s->joined = &s->txn.ranges[1];
+    }
     s->revision = s->txn.revision;
     return RDZV_OK;
 }
@@ -624,10 +639,28 @@ static void report_ended(rdzv *r, const rdzv_record *rec)
     begin_seek(r);
 }
 
+/* Node and waiting keys matter only once a round is frozen (to a member,
+ * or to a spare): the watches start then, from the snapshot that was just
+ * read, so a round of N joiners does not fan N registrations out to N
+ * agents. Once started they stay. */
+static void start_member_watches(rdzv *r, int64_t from)
+{
+    char key[RDZV_KEY_MAX];
+    if (!r->w_nodes) {
+        rdzv_key(key, sizeof(key), r->cfg.job, "nodes/");
+        r->w_nodes = watcher_start(r, key, 1, from, TAG_NODES);
+    }
+    if (!r->w_waiting) {
+        rdzv_key(key, sizeof(key), r->cfg.job, "waiting/");
+        r->w_waiting = watcher_start(r, key, 1, from, TAG_WAITING);
+    }
+}
+
 static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
 {
     char key[RDZV_KEY_MAX];
     set_join_watch(r, NULL, 0, 0);
+    start_member_watches(r, s->revision + 1);
     int me = rdzv_record_member_index(rec, r->node);
     if (me < 0) {
         /* Not in this round: wait for one with room, as a hot spare when
@@ -847,7 +880,7 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
 
     snapshot s;
     int moved = 0;
-    rdzv_err err = read_snapshot(r, rec->number, mod, &s, &moved);
+    rdzv_err err = read_snapshot(r, rec, mod, &s, &moved);
     if (err != RDZV_OK || moved) {
         etcd_txn_result_free(&s.txn);
         return err != RDZV_OK ? (int)err : STEP_AGAIN;
@@ -1151,11 +1184,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     char wkey[RDZV_KEY_MAX];
     rdzv_key(wkey, sizeof(wkey), r->cfg.job, "round");
     r->w_round = watcher_start(r, wkey, 0, reg_rev + 1, TAG_ROUND);
-    rdzv_key(wkey, sizeof(wkey), r->cfg.job, "nodes/");
-    r->w_nodes = watcher_start(r, wkey, 1, reg_rev + 1, TAG_NODES);
-    rdzv_key(wkey, sizeof(wkey), r->cfg.job, "waiting/");
-    r->w_waiting = watcher_start(r, wkey, 1, reg_rev + 1, TAG_WAITING);
-    if (!r->w_round || !r->w_nodes || !r->w_waiting) {
+    if (!r->w_round) {
         snprintf(msg, RDZV_MSG_MAX, "cannot start watch threads");
         err = RDZV_ERR_NOMEM;
         goto err_threads;
