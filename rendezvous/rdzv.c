@@ -662,28 +662,14 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
     set_join_watch(r, NULL, 0, 0);
     start_member_watches(r, s->revision + 1);
     int me = rdzv_record_member_index(rec, r->node);
-    if (me < 0) {
-        /* Not in this round: wait for one with room, as a hot spare when
-         * there is none. */
-        if (!r->waiting_written) {
-            rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
-            if (etcd_put(r->dc, key, r->cfg.addr, strlen(r->cfg.addr), r->lease, NULL) != ETCD_OK)
-                return RDZV_ERR_ETCD;
-            r->waiting_written = 1;
-        }
-        if (rec->nmembers < r->cfg.max_nodes)
-            return open_next(r, rec, mod, RDZV_CAUSE_NODE_WAITING, r->node,
-                             "node %s is waiting and round %lld has room", r->node,
-                             (long long)rec->number);
-        if (r->spare_round != rec->number) {
-            r->spare_round = rec->number;
-            r->deadline_ms = 0; /* a spare waits as long as it takes */
-            emit_simple(r, RDZV_EV_SPARE, RDZV_OK, "round %lld is full (%d nodes)",
-                        (long long)rec->number, rec->nmembers);
-        }
-        return RDZV_OK;
+    if (me < 0 && !r->waiting_written) {
+        /* Not in this round: say so, for whoever sees that there is room. */
+        rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
+        if (etcd_put(r->dc, key, r->cfg.addr, strlen(r->cfg.addr), r->lease, NULL) != ETCD_OK)
+            return RDZV_ERR_ETCD;
+        r->waiting_written = 1;
     }
-    if (r->in_round != rec->number) {
+    if (me >= 0 && r->in_round != rec->number) {
         report_frozen(r, rec);
         if (r->waiting_written) {
             rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
@@ -691,7 +677,8 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
             r->waiting_written = 0;
         }
     }
-    /* Does the round end? A member gone, left, or a waiting node and room. */
+    /* Does the round end? A member gone or left, or a waiting node and
+     * room. Spares check too: if every member died, only they can tell. */
     for (int i = 0; i < rec->nmembers; i++) {
         const rdzv_rec_member *m = &rec->members[i];
         if (i == me) continue;
@@ -706,13 +693,22 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
                              "node %s lost (its lease ended)", m->node);
     }
     if (rec->nmembers < r->cfg.max_nodes) {
-        for (size_t i = 0; i < s->waiting->n; i++) {
+        const char *waiting = me < 0 ? r->node : NULL;
+        for (size_t i = 0; !waiting && i < s->waiting->n; i++) {
             const char *node = key_suffix(s->waiting->kvs[i].key);
-            if (rdzv_record_member_index(rec, node) >= 0) continue;
-            return open_next(r, rec, mod, RDZV_CAUSE_NODE_WAITING, node,
-                             "node %s is waiting and round %lld has room", node,
-                             (long long)rec->number);
+            if (rdzv_record_member_index(rec, node) < 0) waiting = node;
         }
+        if (waiting)
+            return open_next(r, rec, mod, RDZV_CAUSE_NODE_WAITING, waiting,
+                             "node %s is waiting and round %lld has room", waiting,
+                             (long long)rec->number);
+    }
+    if (me < 0 && r->spare_round != rec->number) {
+        /* Full: a hot spare, which waits as long as it takes. */
+        r->spare_round = rec->number;
+        r->deadline_ms = 0;
+        emit_simple(r, RDZV_EV_SPARE, RDZV_OK, "round %lld is full (%d nodes)",
+                    (long long)rec->number, rec->nmembers);
     }
     return RDZV_OK;
 }

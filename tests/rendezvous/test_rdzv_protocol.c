@@ -201,7 +201,7 @@ static int sc_kill(tp_set *s)
     tp_kill(s, ids[victim], SIGKILL);
     /* the lease TTL (3 s) bounds the detection; etcd checks expiry at
      * intervals, so allow it a little more */
-    int rc = expect_survivors(s, ids, 4, victim, "member_lost", lines, t0, 3.0 + 3.0);
+    int rc = expect_survivors(s, ids, 4, victim, "member_lost", lines, t0, 3.0 + 5.0);
     free(lines);
     return rc;
 }
@@ -338,6 +338,47 @@ static int sc_etcd_restart(tp_set *s, test_etcd *e)
     return 0;
 }
 
+/* A member stalls (SIGSTOP) past its lease TTL: the others go on without
+ * it, and when it wakes it learns that it is out (lease lost). */
+static int sc_stall(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "stall");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE];
+    int ids[4];
+    if (start_round(s, 3, "--min 2 --max 3 --ttl 3 --last-call-ms 300", ids, lines) != 0) return 1;
+    int who = holder(lines, 3, 0);
+    CHECK(who >= 0, "no rank 0");
+    double t0 = tp_now();
+    tp_kill(s, ids[who], SIGSTOP);
+    if (expect_survivors(s, ids, 3, who, "member_lost", lines, t0, 3.0 + 5.0) != 0) return 1;
+    tp_kill(s, ids[who], SIGCONT);
+    CHECK(tp_expect(s, ids[who], "ERROR", 15000, line, sizeof(line)) == 0, "no error on wake");
+    CHECK(strstr(line, "err=lease_lost"), "%s", line);
+    free(lines);
+    return 0;
+}
+
+/* Every member dies; nodes that come later must not wait forever as spares
+ * of a dead round: they see the members gone and form the next one. */
+static int sc_all_dead(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "all-dead");
+    char(*lines)[LINE] = lines_alloc();
+    const char *opts = "--min 2 --max 2 --ttl 3 --last-call-ms 300";
+    int ids[4];
+    if (start_round(s, 2, opts, ids, lines) != 0) return 1;
+    tp_kill(s, ids[0], SIGKILL);
+    tp_kill(s, ids[1], SIGKILL);
+    int fresh[2];
+    fresh[0] = tp_spawn(s, "q0", opts);
+    fresh[1] = tp_spawn(s, "q1", opts);
+    if (expect_round(s, fresh, 2, 1, 30000, lines) != 0) return 1;
+    CHECK(tp_ifield(lines[0], "round") >= 2, "%s", lines[0]);
+    free(lines);
+    return 0;
+}
+
 static int sc_errors(tp_set *s)
 {
     char line[LINE], err[64];
@@ -375,8 +416,10 @@ static int sc_errors(tp_set *s)
 int main(int argc, char **argv)
 {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s form|kill|leave|waiting|failure|finish|etcd-restart|errors\n",
-                argv[0]);
+        fprintf(
+            stderr,
+            "usage: %s form|kill|leave|waiting|failure|finish|etcd-restart|stall|all-dead|errors\n",
+            argv[0]);
         return 2;
     }
     const char *sc = argv[1];
@@ -399,6 +442,10 @@ int main(int argc, char **argv)
         rc = sc_finish(&s);
     else if (!strcmp(sc, "etcd-restart"))
         rc = sc_etcd_restart(&s, &e);
+    else if (!strcmp(sc, "stall"))
+        rc = sc_stall(&s);
+    else if (!strcmp(sc, "all-dead"))
+        rc = sc_all_dead(&s);
     else if (!strcmp(sc, "errors"))
         rc = sc_errors(&s);
     else {
