@@ -66,6 +66,7 @@ def test_agent_env_from_values(render):
 def test_node_identity_from_downward_api(render):
     env = render().env()
     assert env["DUCTILE_NODE_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["DUCTILE_TRAIN_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["DUCTILE_NODE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
