@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""bench_agent.py: the agent's figures, each beside a baseline from the same run.
+
+Run by bench/agent/run.sh under with-etcd. Four agents, one test worker each
+(tests/agent/test_worker.c), a real etcd on 127.0.0.1. A "round running"
+means every worker of the new round has started and written its report.
+
+  SIGKILL, workers see it   an agent is killed; its peers' workers lose their
+                            connection to it (AGENT_TEST_MESH) and fail the
+                            round. Baseline: the lease TTL (the silent bound).
+  SIGKILL, silent           no worker notices; only the lease expiry does.
+                            Baseline: the lease TTL.
+  SIGTERM                   the agent leaves cleanly. Baseline: the lease TTL
+                            (what a peer would wait without the clean leave).
+  new agent                 a 4th agent starts beside 3 running ones (room up
+                            to 4). Baseline: one agent alone (--nnodes 1)
+                            from exec to its worker running: the floor of
+                            any start (lease, round, spawn).
+  agent RSS                 VmRSS of an agent in a running round. Baseline:
+                            VmRSS of the test worker, a minimal C process.
+  agent idle CPU            CPU seconds per second over an idle window.
+                            Baseline: etcd's over the same window.
+"""
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "agent"))
+import agent_test as at  # noqa: E402
+
+TTL = 5
+LAST_CALL = 0.5
+
+
+def flags():
+    return ["--lease-ttl", str(TTL), "--last-call", str(LAST_CALL), "--stop-grace", "2",
+            "--nnodes", "3:4", "--max-restarts", "1000", "--join-timeout", "60"]
+
+
+def four(name, env=None):
+    job = at.Job(name, flags())
+    agents = [job.start("node-%d" % i, env=env) for i in range(4)]
+    rnd = job.wait_round(4, 60)
+    time.sleep(0.3)
+    return job, agents, rnd
+
+
+def trial_kill(i, mesh):
+    job, agents, rnd = four("bench-kill-%d-%d-%d" % (mesh, i, os.getpid()),
+                            {"AGENT_TEST_MESH": "1"} if mesh else None)
+    try:
+        t0 = time.monotonic()
+        agents[3].proc.kill()
+        job.wait_round(3, TTL + 30, newer_than=rnd)
+        return time.monotonic() - t0
+    finally:
+        job.cleanup(False)
+
+
+def trial_term(i):
+    job, agents, rnd = four("bench-term-%d-%d" % (i, os.getpid()))
+    try:
+        t0 = time.monotonic()
+        agents[3].signal(signal.SIGTERM)
+        job.wait_round(3, TTL + 30, newer_than=rnd)
+        return time.monotonic() - t0
+    finally:
+        job.cleanup(False)
+
+
+def trial_join(i):
+    job = at.Job("bench-join-%d-%d" % (i, os.getpid()), flags())
+    try:
+        for n in range(3):
+            job.start("node-%d" % n)
+        rnd = job.wait_round(3, 60)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        job.start("node-3")
+        job.wait_round(4, 60, newer_than=rnd)
+        return time.monotonic() - t0
+    finally:
+        job.cleanup(False)
+
+
+def solo_start(i):
+    """One agent alone (--nnodes 1) from exec to its worker running."""
+    job = at.Job("bench-solo-%d-%d" % (i, os.getpid()),
+                 ["--lease-ttl", str(TTL), "--last-call", str(LAST_CALL), "--nnodes", "1"])
+    try:
+        t0 = time.monotonic()
+        job.start("solo")
+        job.wait_round(1, 60)
+        return time.monotonic() - t0
+    finally:
+        job.cleanup(False)
+
+
+def rss_kib(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def cpu_s(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def costs(window):
+    job, agents, rnd = four("bench-idle-%d" % os.getpid())
+    try:
+        time.sleep(1.0)
+        agent_rss = statistics.median(rss_kib(a.proc.pid) for a in agents)
+        worker_rss = statistics.median(rss_kib(w["_pid"]) for w in job.alive_workers())
+        etcd = int(os.environ["DUCTILE_TEST_ETCD_PID"])
+        a0 = [cpu_s(a.proc.pid) for a in agents]
+        e0 = cpu_s(etcd)
+        t0 = time.monotonic()
+        time.sleep(window)
+        dt = time.monotonic() - t0
+        agent_cpu = statistics.mean((cpu_s(a.proc.pid) - c) / dt for a, c in zip(agents, a0))
+        etcd_cpu = (cpu_s(etcd) - e0) / dt
+        return agent_rss, worker_rss, agent_cpu, etcd_cpu
+    finally:
+        job.cleanup(False)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--agent", required=True)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--idle-window", type=float, default=10.0)
+    at.ARGS = ap.parse_args()
+    n = at.ARGS.repeats
+    rows = []
+
+    def timed(label, fn, base_label, base):
+        vals = [fn(i) for i in range(n)]
+        med = statistics.median(vals)
+        rows.append((label, "%.3f s" % med, base_label, "%.3f s" % base, med / base))
+
+    try:
+        timed("SIGKILL -> next round running (workers see it)", lambda i: trial_kill(i, True),
+              "lease TTL", TTL)
+        timed("SIGKILL -> next round running (silent, lease)", lambda i: trial_kill(i, False),
+              "lease TTL", TTL)
+        timed("SIGTERM -> next round running", trial_term, "lease TTL", TTL)
+        solo = statistics.median(solo_start(i) for i in range(n))
+        timed("new agent -> next round running", trial_join, "one agent alone, start", solo)
+        agent_rss, worker_rss, agent_cpu, etcd_cpu = costs(at.ARGS.idle_window)
+    except at.Fail as e:
+        print("bench/agent: %s" % e, file=sys.stderr)
+        return 1
+    rows.append(("agent RSS (in a running round)", "%d KiB" % agent_rss, "test worker RSS",
+                 "%d KiB" % worker_rss, agent_rss / max(worker_rss, 1)))
+    rows.append(("agent idle CPU (%.0f s window)" % at.ARGS.idle_window,
+                 "%.2f%% core" % (100 * agent_cpu), "etcd idle CPU", "%.2f%% core" %
+                 (100 * etcd_cpu), agent_cpu / etcd_cpu if etcd_cpu > 0 else float("nan")))
+    print("4 agents x 1 worker, lease TTL %d s, last call %.1f s, median of %d runs" %
+          (TTL, LAST_CALL, n))
+    w = max(len(r[0]) for r in rows)
+    bw = max(len(r[2]) for r in rows)
+    print("%-*s  %12s  %-*s  %12s  %7s" % (w, "figure", "ours", bw, "baseline", "value", "ratio"))
+    for r in rows:
+        print("%-*s  %12s  %-*s  %12s  %7.2f" % (w, r[0], r[1], bw, r[2], r[3], r[4]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
