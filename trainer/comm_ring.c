@@ -237,6 +237,9 @@ static comm_err ring_fail(ring *g, comm_err err, const char *fmt, ...)
     vsnprintf(line, sizeof(line), fmt, ap);
     va_end(ap);
     ring_shutdown(g);
+    /* comm_abort() shuts the sockets too: what that breaks is the abort. */
+    if (comm_is_aborted(&g->base))
+        return comm_fail(&g->base, COMM_ERR_ABORTED, "rank %d: aborted", g->base.rank);
     return comm_fail(&g->base, err, "rank %d: %s", g->base.rank, line);
 }
 

@@ -1,0 +1,194 @@
+/* bench_allreduce: bus bandwidth of the TCP ring allreduce on this machine.
+ *
+ *   bench_allreduce --ranks W [--min-bytes B] [--max-bytes B] [--chunk-bytes B]
+ *   bench_allreduce --memcpy
+ *
+ * Forks W ranks joined by loopback TCP connections (the same sockets and
+ * options the store bootstrap makes; the store itself is left out so the
+ * figure is the data path alone) and times allreduce at sizes doubling
+ * from min to max bytes. Rank 0 prints one line per size:
+ *   bytes  seconds_per_op  algbw_GBps  busbw_GBps
+ * with busbw = algbw * 2(W-1)/W, the figure that is comparable across
+ * world sizes (nccl-tests' definition). --memcpy prints this machine's
+ * single-thread memcpy bandwidth (64 MiB buffers, best of several) as the
+ * ceiling the figures are read against.
+ */
+#include "comm_impl.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int memcpy_bench(void)
+{
+    size_t n = 64u << 20;
+    char *a = malloc(n), *b = malloc(n);
+    if (!a || !b) return 1;
+    memset(a, 1, n);
+    memset(b, 2, n);
+    double best = 1e9;
+    for (int i = 0; i < 8; i++) {
+        double t0 = now_s();
+        memcpy(i % 2 ? a : b, i % 2 ? b : a, n);
+        double dt = now_s() - t0;
+        if (dt < best) best = dt;
+    }
+    /* Keep the copies observable so they are not optimised away. */
+    printf("memcpy_GBps %.3f %d\n", (double)n / best / 1e9, a[n / 2] + b[n / 3]);
+    free(a);
+    free(b);
+    return 0;
+}
+
+/* A loopback TCP connection: *out is the connecting end, *in the accepted. */
+static int tcp_pair(int *out, int *in)
+{
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof(sa);
+    int sz = 4 << 20;
+    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (l < 0) return -1;
+    setsockopt(l, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+    setsockopt(l, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
+    if (bind(l, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(l, 1) < 0 ||
+        getsockname(l, (struct sockaddr *)&sa, &sl) < 0)
+        goto err;
+    int c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (c < 0) goto err;
+    setsockopt(c, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+    setsockopt(c, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
+    if (connect(c, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        close(c);
+        goto err;
+    }
+    int a = accept4(l, NULL, NULL, SOCK_CLOEXEC);
+    if (a < 0) {
+        close(c);
+        goto err;
+    }
+    close(l);
+    *out = c;
+    *in = a;
+    return 0;
+err:
+    close(l);
+    return -1;
+}
+
+static int run_rank(int rank, int world, int left, int right, size_t lo, size_t hi, size_t chunk)
+{
+    comm_config cfg = {0};
+    cfg.chunk_bytes = chunk;
+    cfg.rank = rank;
+    cfg.world_size = world;
+    cfg.timeout_ms = 60000;
+    comm *c = NULL;
+    comm_err err = comm_ring_from_fds(&cfg, left, right, &c);
+    if (err != COMM_OK) {
+        fprintf(stderr, "rank %d: %s\n", rank, comm_strerror(err));
+        return 1;
+    }
+    float *buf = malloc(hi);
+    if (!buf) return 1;
+    for (size_t i = 0; i < hi / sizeof(float); i++)
+        buf[i] = 1.0f;
+    for (size_t bytes = lo; bytes <= hi; bytes *= 2) {
+        size_t n = bytes / sizeof(float);
+        /* About a second's worth of work per size, but at least a few ops. */
+        int iters = (int)((size_t)(512u << 20) / bytes);
+        if (iters > 200) iters = 200;
+        if (iters < 5) iters = 5;
+        for (int i = 0; i < 2; i++)
+            err = comm_allreduce_sum_f32(c, buf, n);
+        err = err != COMM_OK ? err : comm_barrier(c);
+        double t0 = now_s();
+        for (int i = 0; i < iters && err == COMM_OK; i++)
+            err = comm_allreduce_sum_f32(c, buf, n);
+        err = err != COMM_OK ? err : comm_barrier(c);
+        double dt = (now_s() - t0) / iters;
+        if (err != COMM_OK) {
+            fprintf(stderr, "rank %d: %s\n", rank, comm_last_error(c));
+            return 1;
+        }
+        double alg = (double)bytes / dt / 1e9;
+        if (rank == 0)
+            printf("%zu %.9f %.4f %.4f\n", bytes, dt, alg, alg * 2.0 * (world - 1) / world);
+        fflush(stdout);
+    }
+    free(buf);
+    comm_free(c);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    int world = 0;
+    size_t lo = 4096, hi = 64u << 20, chunk = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--memcpy") == 0) return memcpy_bench();
+        if (i + 1 < argc && strcmp(argv[i], "--ranks") == 0)
+            world = atoi(argv[++i]);
+        else if (i + 1 < argc && strcmp(argv[i], "--min-bytes") == 0)
+            lo = strtoull(argv[++i], NULL, 10);
+        else if (i + 1 < argc && strcmp(argv[i], "--chunk-bytes") == 0)
+            chunk = strtoull(argv[++i], NULL, 10);
+        else if (i + 1 < argc && strcmp(argv[i], "--max-bytes") == 0)
+            hi = strtoull(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "usage: bench_allreduce --ranks W [--min-bytes B] [--max-bytes B]"
+                            " [--chunk-bytes B]"
+                            " | --memcpy\n");
+            return 2;
+        }
+    }
+    if (world < 2 || world > 64 || lo < 4 || hi < lo) {
+        fprintf(stderr, "bench_allreduce: need --ranks 2..64 and 4 <= min <= max bytes\n");
+        return 2;
+    }
+    int ends[64][2]; /* edge r: [0] rank r's right, [1] rank r+1's left */
+    for (int r = 0; r < world; r++)
+        if (tcp_pair(&ends[r][0], &ends[r][1]) < 0) {
+            perror("bench_allreduce: loopback connection");
+            return 1;
+        }
+    fflush(stdout);
+    pid_t pids[64];
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        if (pids[r] < 0) {
+            perror("fork");
+            return 1;
+        }
+        if (pids[r] == 0) {
+            int left = ends[(r + world - 1) % world][1], right = ends[r][0];
+            for (int e = 0; e < world; e++)
+                for (int s = 0; s < 2; s++)
+                    if (ends[e][s] != left && ends[e][s] != right) close(ends[e][s]);
+            _exit(run_rank(r, world, left, right, lo, hi, chunk));
+        }
+    }
+    for (int e = 0; e < world; e++)
+        for (int s = 0; s < 2; s++)
+            close(ends[e][s]);
+    int bad = 0;
+    for (int r = 0; r < world; r++) {
+        int st = 0;
+        if (waitpid(pids[r], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
+    }
+    return bad ? 1 : 0;
+}

@@ -1,0 +1,47 @@
+#!/bin/sh
+# bench/allreduce/run.sh [BUILD_DIR]: bus bandwidth of the TCP ring allreduce
+# for 2 and 4 ranks, 4 KiB to 64 MiB, beside this machine's memcpy bandwidth
+# and torch.distributed's gloo allreduce at the same sizes and rank counts,
+# all measured in this run. busbw = algbw * 2(W-1)/W (nccl-tests' figure).
+# BUILD_DIR must be a plain (not sanitizer) build; it is configured and the
+# bench built if needed. torch comes from PyPI into BUILD_DIR/torch-venv.
+set -eu
+build=${1:-build}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+
+if [ ! -f "$build/CMakeCache.txt" ]; then
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+fi
+if grep -q '^DUCTILE_SANITIZE:BOOL=ON' "$build/CMakeCache.txt"; then
+    echo "bench/allreduce: $build is a sanitizer build; give a plain one" >&2
+    exit 1
+fi
+cmake --build "$build" --target bench_allreduce -j "$(nproc)" >/dev/null
+exe="$build/bench/allreduce/bench_allreduce"
+
+venv="$build/torch-venv"
+if ! "$venv/bin/python" -c 'import numpy, torch.distributed' 2>/dev/null; then
+    echo "bench/allreduce: installing torch into $venv (PyPI)" >&2
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q torch numpy
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+memcpy=$("$exe" --memcpy | awk '{print $2}')
+for w in 2 4; do
+    # Alternate ours and theirs so a change in the machine's load hits both.
+    "$exe" --ranks "$w" >"$tmp/ring$w"
+    "$venv/bin/python" "$here/torch_gloo.py" --ranks "$w" >"$tmp/gloo$w" 2>"$tmp/gloo$w.err" ||
+        { cat "$tmp/gloo$w.err" >&2; exit 1; }
+done
+
+echo "allreduce bus bandwidth, GB/s (float32 sum; loopback TCP; $(nproc) cores)"
+echo "memcpy (one thread, 64 MiB): $memcpy GB/s"
+printf '%5s %10s %8s %8s %9s %11s\n' ranks bytes ring gloo ring/gloo ring/memcpy
+for w in 2 4; do
+    awk -v w="$w" -v m="$memcpy" 'NR == FNR { gloo[$1] = $4; next }
+        $1 in gloo { printf "%5d %10d %8.3f %8.3f %9.2f %11.2f\n", w, $1, $4, gloo[$1],
+                     $4 / gloo[$1], $4 / m }' "$tmp/gloo$w" "$tmp/ring$w"
+done
