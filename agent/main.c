@@ -844,7 +844,16 @@ static void on_event(agent *a, rdzv_event *ev)
     case RDZV_EV_FROZEN:
         if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
             break;
-        if (a->state == AGENT_STOPPING) {
+        if (a->state == AGENT_RUNNING && !a->o->inplace && workers_alive(a)) {
+            /* A newer round without an end of ours first: ours is over too. */
+            agent_log(&a->lg, "round_superseded", "round %lld superseded by round %lld",
+                      (long long)a->round.number, (long long)ev->round.number);
+            a->state = AGENT_STOPPING;
+            a->exit_after_stop = -1;
+            a->in_round = 0;
+            stop_workers(a, a->o->stop_grace_ms);
+        }
+        if (a->state == AGENT_STOPPING && workers_alive(a)) {
             if (a->have_pending) rdzv_round_free(&a->pending);
             a->pending = ev->round;
             a->have_pending = 1;
@@ -1089,9 +1098,19 @@ static void run_loop(agent *a)
             if (pfd[0].revents) on_signalfd(a);
             if (pfd[1].revents) {
                 rdzv_event ev;
-                while (!a->done && rdzv_next_event(a->rz, 0, &ev) == RDZV_OK) {
+                rdzv_err err = RDZV_OK;
+                while (!a->done && (err = rdzv_next_event(a->rz, 0, &ev)) == RDZV_OK) {
                     on_event(a, &ev);
                     rdzv_event_free(&ev);
+                }
+                if (!a->done && err != RDZV_ERR_TIMEOUT) {
+                    /* The driver stopped without saying why: nothing more will come. */
+                    snprintf(a->why, sizeof(a->why), "rendezvous stopped: %s", rdzv_strerror(err));
+                    agent_log(&a->lg, "rdzv_error", "%s", a->why);
+                    a->exit_after_stop = 1;
+                    if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+                    stop_workers(a, a->o->stop_grace_ms);
+                    if (!workers_alive(a)) agent_finish(a, 1, a->why);
                 }
             }
         }
