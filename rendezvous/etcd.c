@@ -366,8 +366,12 @@ static etcd_err conn_setup(conn *k, CURL *h, const char *path, struct curl_slist
     return ETCD_OK;
 }
 
-static int is_tls_error(CURLcode cc)
+/* A TLS failure is final (retrying cannot fix a certificate). With TLS 1.3
+ * a refused client certificate arrives as an alert on the first read, so a
+ * read or write error that carries an alert counts too. */
+static int is_tls_error(CURLcode cc, const char *detail)
 {
+    if ((cc == CURLE_RECV_ERROR || cc == CURLE_SEND_ERROR) && strstr(detail, " alert ")) return 1;
     switch (cc) {
     case CURLE_SSL_CONNECT_ERROR:
     case CURLE_SSL_CERTPROBLEM:
@@ -508,7 +512,7 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
             return ETCD_ERR_TOO_LARGE;
         }
         if (cc == CURLE_WRITE_ERROR) return ETCD_ERR_NOMEM;
-        if (is_tls_error(cc)) {
+        if (is_tls_error(cc, curlerr)) {
             conn_seterr(k, "%s", last);
             return ETCD_ERR_TLS;
         }
@@ -1262,7 +1266,7 @@ static void stream_done(etcd_watch *w, CURLcode cc)
         watch_down(w);
         return;
     }
-    if (is_tls_error(cc)) {
+    if (is_tls_error(cc, w->curlerr)) {
         conn_seterr(&w->k, "watch %s: %s", ep, w->curlerr[0] ? w->curlerr : curl_easy_strerror(cc));
         watch_die(w, ETCD_ERR_TLS);
         return;
