@@ -7,8 +7,15 @@
  * collectives. The main thread only sets ready flags and, in finish(), waits
  * for `next` to reach the bucket count (with a deadline, although comm's own
  * deadlines make a hang there impossible in practice).
+ *
+ * On a device (model->dev, gpu.h) the same code runs with the buckets in
+ * device memory: marking a bucket ready records a CUDA event after the
+ * kernels that wrote it, and the thread waits for that event before the
+ * bucket's NCCL all-reduce, while the compute stream runs the rest of
+ * backward. Host buffers handed to broadcast/allreduce are staged.
  */
 #include "ddp.h"
+#include "gpu.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -92,13 +99,16 @@ static void *comm_thread(void *arg)
         if (r->shutdown) break;
         ddp_bucket *b = &r->buckets[r->next];
         comm_err e = r->cerr;
+        char why[256] = "";
         pthread_mutex_unlock(&r->mu);
+        if (e == COMM_OK && r->m->dev && gpu_wait_mark(r->m, r->next, DDP_WAIT_MS, why) != 0)
+            e = COMM_ERR_CUDA;
         if (e == COMM_OK) e = comm_allreduce_sum_f32(r->comm, r->grads + b->offset, b->numel);
         pthread_mutex_lock(&r->mu);
         if (e != COMM_OK && r->cerr == COMM_OK) {
             r->cerr = e;
             snprintf(r->err, sizeof(r->err), "all-reduce of bucket %d: %s: %s", r->next,
-                     comm_strerror(e), comm_last_error(r->comm));
+                     comm_strerror(e), why[0] ? why : comm_last_error(r->comm));
         }
         r->next++;
         pthread_cond_broadcast(&r->cv);
@@ -128,7 +138,7 @@ ddp_err ddp_reducer_create(model *m, comm *c, size_t bucket_cap_bytes, int overl
     r->buckets = calloc(r->nbuckets, sizeof(ddp_bucket));
     r->bucket_ready = calloc(r->nbuckets, 1);
     r->total = m->nfloats + 1;
-    r->grads = calloc(r->total, sizeof(float));
+    r->grads = m->dev ? gpu_grad_alloc(m, r->total) : calloc(r->total, sizeof(float));
     if (!r->buckets || !r->bucket_ready || !r->grads) goto nomem;
     /* Lay buckets out in index order, parameters in reverse order inside. */
     size_t off = 0;
@@ -188,7 +198,10 @@ void ddp_reducer_free(ddp_reducer *r)
     free(r->param_ready);
     free(r->buckets);
     free(r->bucket_ready);
-    free(r->grads);
+    if (r->m->dev)
+        gpu_grad_free(r->m, r->grads);
+    else
+        free(r->grads);
     free(r);
 }
 
@@ -214,7 +227,10 @@ void ddp_begin(ddp_reducer *r, int sync, int want_stop)
     memset(r->param_ready, 0, r->m->nparams);
     for (int b = 0; b < r->nbuckets; b++)
         r->buckets[b].pending = r->buckets[b].nparams;
-    r->grads[r->flag] = want_stop ? 1.0f : 0.0f;
+    if (r->m->dev)
+        gpu_fill(r->m, r->grads + r->flag, 1, want_stop ? 1.0f : 0.0f);
+    else
+        r->grads[r->flag] = want_stop ? 1.0f : 0.0f;
     r->marked_twice = 0;
 }
 
@@ -228,7 +244,9 @@ void ddp_mark_ready(void *ctx, int param)
     }
     r->param_ready[param] = 1;
     int b = r->bucket_of[param];
-    if (--r->buckets[b].pending == 0 && r->overlap && r->have_thread) {
+    if (--r->buckets[b].pending != 0) return;
+    if (r->m->dev) gpu_mark(r->m, b); /* after the kernels that wrote the bucket */
+    if (r->overlap && r->have_thread) {
         pthread_mutex_lock(&r->mu);
         r->bucket_ready[b] = 1;
         pthread_cond_broadcast(&r->cv);
@@ -281,22 +299,29 @@ ddp_err ddp_finish(ddp_reducer *r, int *stop)
     }
     if (r->world > 1) {
         float inv = 1.0f / (float)r->world;
-        for (size_t i = 0; i < r->total; i++)
-            r->grads[i] *= inv;
+        if (r->m->dev)
+            gpu_scale(r->m, r->grads, r->total, inv);
+        else
+            for (size_t i = 0; i < r->total; i++)
+                r->grads[i] *= inv;
     }
-    *stop = r->grads[r->flag] > 0.0f;
+    *stop = (r->m->dev ? gpu_read(r->m, r->grads + r->flag) : r->grads[r->flag]) > 0.0f;
     return DDP_OK;
 }
 
 void ddp_zero_grad(ddp_reducer *r)
 {
-    memset(r->grads, 0, sizeof(float) * r->total);
+    if (r->m->dev)
+        gpu_fill(r->m, r->grads, r->total, 0.0f);
+    else
+        memset(r->grads, 0, sizeof(float) * r->total);
 }
 
 ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes)
 {
     if (!r->comm) return DDP_OK;
-    comm_err e = comm_broadcast(r->comm, buf, bytes, 0);
+    comm_err e = r->m->dev ? gpu_broadcast_host(r->m, r->comm, buf, bytes)
+                           : comm_broadcast(r->comm, buf, bytes, 0);
     if (e != COMM_OK) {
         snprintf(r->err, sizeof(r->err), "broadcast: %s: %s", comm_strerror(e),
                  comm_last_error(r->comm));
@@ -308,7 +333,8 @@ ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes)
 ddp_err ddp_allreduce(ddp_reducer *r, float *buf, size_t n)
 {
     if (!r->comm) return DDP_OK;
-    comm_err e = comm_allreduce_sum_f32(r->comm, buf, n);
+    comm_err e = r->m->dev ? gpu_allreduce_host(r->m, r->comm, buf, n)
+                           : comm_allreduce_sum_f32(r->comm, buf, n);
     if (e != COMM_OK) {
         snprintf(r->err, sizeof(r->err), "all-reduce: %s: %s", comm_strerror(e),
                  comm_last_error(r->comm));

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "data.h"
+#include "gpu.h"
 
 static int add_param(model *m, const char *name, size_t numel)
 {
@@ -156,6 +157,7 @@ nomem:
 void model_free(model *m)
 {
     if (!m) return;
+    gpu_detach(m);
     for (int i = 0; i < m->nlayers; i++) {
         free(m->layers[i].out);
         free(m->layers[i].dout);
@@ -207,6 +209,7 @@ static const float *layer_input(const model *m, int i)
 
 const float *model_forward(model *m, int batch)
 {
+    if (m->dev) return gpu_forward(m, batch); /* device logits */
     for (int i = 0; i < m->nlayers; i++) {
         model_layer *l = &m->layers[i];
         const float *in = layer_input(m, i);
@@ -232,12 +235,14 @@ const float *model_forward(model *m, int batch)
 
 double model_loss(model *m, int batch)
 {
+    if (m->dev) return gpu_loss(m, batch);
     return softmax_xent_forward(m->probs, m->layers[m->nlayers - 1].out, m->y, batch,
                                 m->cfg.classes);
 }
 
 int model_correct(const model *m, int batch)
 {
+    if (m->dev) return gpu_correct(m, batch);
     const float *z = m->layers[m->nlayers - 1].out;
     int k = m->cfg.classes, correct = 0;
     for (int i = 0; i < batch; i++) {
@@ -251,6 +256,10 @@ int model_correct(const model *m, int batch)
 
 void model_backward(model *m, int batch, float scale, model_ready_fn ready, void *ctx)
 {
+    if (m->dev) {
+        gpu_backward(m, batch, scale, ready, ctx);
+        return;
+    }
     model_layer *last = &m->layers[m->nlayers - 1];
     softmax_xent_backward(last->dout, m->probs, m->y, batch, m->cfg.classes, scale);
     for (int i = m->nlayers - 1; i >= 0; i--) {

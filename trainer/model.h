@@ -51,6 +51,8 @@ typedef struct model_layer {
     int32_t *argmax;    /* max-pool */
 } model_layer;
 
+struct gpu_ctx;
+
 typedef struct model {
     model_config cfg;
     int max_batch;
@@ -65,6 +67,7 @@ typedef struct model {
     uint8_t *y;       /* labels */
     float *probs;     /* max_batch * classes */
     float *col, *dcol;
+    struct gpu_ctx *dev; /* on a CUDA device (gpu.h) when set; NULL on the CPU */
 } model;
 
 /* Returns 0, or -1 with a one-line reason in msg (256 bytes). */

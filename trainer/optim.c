@@ -11,6 +11,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "gpu.h"
+
 int optim_create(const optim_config *cfg, size_t n, optim **out)
 {
     optim *o = calloc(1, sizeof(*o));
@@ -62,6 +64,10 @@ void optim_step(optim *o, model *mdl, float lr)
     o->t++;
     float bc1 = 1.0f - powf(o->cfg.beta1, (float)o->t);
     float bc2 = 1.0f - powf(o->cfg.beta2, (float)o->t);
+    if (mdl->dev) {
+        gpu_optim_step(mdl, o, lr, bc1, bc2);
+        return;
+    }
     for (int i = 0; i < mdl->nparams; i++) {
         model_param *p = &mdl->params[i];
         float *s0 = o->state + p->offset;

@@ -1,0 +1,196 @@
+/* gpu.h: the trainer on a CUDA device, behind the CPU code's own calls.
+ *
+ * The idea: the model, optimizer and reducer keep their structs and their
+ * functions; gpu_attach() moves a model's parameters, gradients,
+ * activations and scratch into device memory and sets model->dev, and from
+ * then on model_forward/backward/loss/correct, optim_step and the reducer's
+ * buffer operations dispatch here (one `if (m->dev)` at the top of each).
+ * params[i].data and .grad become device pointers; m->weights stays a host
+ * copy that gpu_download()/gpu_upload() keep in step for checkpoints, dumps
+ * and broadcasts, so every file format stays the CPU one. The math is the
+ * CPU math: cuBLAS for every gemm() call with the same row-major operands,
+ * kernels.cu for every loop (layers.c and optim.c are the references).
+ *
+ * Streams: one compute stream runs every kernel and GEMM in issue order; a
+ * copy stream moves each batch from pinned host memory (m->x and m->y point
+ * there while attached, two slots used in turn) and the compute stream waits
+ * for it through an event. The reducer records one event per bucket when its
+ * last gradient's kernels are queued; the communication thread waits on that
+ * event (polled, with a deadline) before the bucket's NCCL all-reduce.
+ *
+ * Errors inside forward/backward (whose signatures return no status) are
+ * sticky: the first one is kept and gpu_status() reports it once per step.
+ * A build without CUDA gets inline stubs: m->dev is then always NULL.
+ */
+#ifndef DUCTILE_GPU_H
+#define DUCTILE_GPU_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "comm.h"
+#include "kernels.h"
+#include "model.h"
+#include "optim.h"
+
+typedef struct gpu_ctx gpu_ctx;
+
+#if DUCTILE_HAVE_CUDA
+
+/* CUDA devices present; 0 with the reason in why (256 bytes) when none. */
+int gpu_device_count(char *why);
+
+/* Moves m onto device `device`; 0, or -1 with one line in msg (256 bytes). */
+int gpu_attach(model *m, int device, char *msg);
+/* Back to host pointers (device contents are not copied back) and frees. */
+void gpu_detach(model *m);
+/* Host parameters (and optimizer state, if o) to the device and back. */
+int gpu_upload(model *m, const optim *o, char *msg);
+int gpu_download(model *m, optim *o, char *msg);
+/* Waits for queued work; 0, or -1 and the first error since attach. */
+int gpu_status(model *m, char *msg);
+
+/* The model.h and optim.h operations on the device. */
+const float *gpu_forward(model *m, int batch);
+double gpu_loss(model *m, int batch);
+int gpu_correct(const model *m, int batch);
+void gpu_backward(model *m, int batch, float scale, model_ready_fn ready, void *ctx);
+void gpu_optim_step(model *m, optim *o, float lr, float bc1, float bc2);
+
+/* The reducer's buffers: zeroed device floats, queued on the compute stream. */
+float *gpu_grad_alloc(model *m, size_t n);
+void gpu_grad_free(model *m, float *p);
+void gpu_fill(model *m, float *p, size_t n, float v);
+void gpu_scale(model *m, float *p, size_t n, float a);
+float gpu_read(model *m, const float *p); /* waits for the compute stream */
+/* Event `slot` (< MODEL_MAX_PARAMS) after the work queued so far; and, from
+ * any thread, wait for it: 0, or -1 with one line in msg (256 bytes). */
+void gpu_mark(model *m, int slot);
+int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg);
+/* Collectives on host buffers, staged through device memory for NCCL. */
+comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes);
+comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n);
+
+/* ---- the layers on the device (tests call these against layers.h) ---- */
+
+gpu_ctx *gpu_ctx_create(int device, char *msg);
+void gpu_ctx_free(gpu_ctx *g);
+gpu_ctx *gpu_of(model *m);
+kern_stream gpu_stream(gpu_ctx *g);
+/* Waits for the compute stream; 0, or -1 and the first error. */
+int gpu_sync(gpu_ctx *g, char *msg);
+
+/* layers.h's gemm(), row-major, on the compute stream. */
+void gpu_gemm(gpu_ctx *g, int trans_a, int trans_b, int m, int n, int k, float alpha,
+              const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc);
+void gpu_linear_forward(gpu_ctx *g, float *out, const float *in, const float *w, const float *b,
+                        int batch, int in_dim, int out_dim);
+void gpu_linear_backward(gpu_ctx *g, float *din, float *dw, float *db, const float *dout,
+                         const float *in, const float *w, int batch, int in_dim, int out_dim);
+/* col and dcol: batch * conv_col_size(s) floats; dwtmp: batch * oc*c*k*k. */
+void gpu_conv_forward(gpu_ctx *g, float *out, const float *in, const float *w, const float *b,
+                      int batch, const conv_shape *s, float *col);
+void gpu_conv_backward(gpu_ctx *g, float *din, float *dw, float *db, const float *dout,
+                       const float *in, const float *w, int batch, const conv_shape *s, float *col,
+                       float *dcol, float *dwtmp);
+
+#else /* built without CUDA: nothing is ever attached */
+
+static inline int gpu_device_count(char *why)
+{
+    if (why) snprintf(why, 256, "ductile was built without CUDA");
+    return 0;
+}
+static inline int gpu_attach(model *m, int device, char *msg)
+{
+    (void)m, (void)device;
+    snprintf(msg, 256, "ductile was built without CUDA");
+    return -1;
+}
+static inline void gpu_detach(model *m)
+{
+    (void)m;
+}
+static inline int gpu_upload(model *m, const optim *o, char *msg)
+{
+    (void)m, (void)o, (void)msg;
+    return -1;
+}
+static inline int gpu_download(model *m, optim *o, char *msg)
+{
+    (void)m, (void)o, (void)msg;
+    return -1;
+}
+static inline int gpu_status(model *m, char *msg)
+{
+    (void)m, (void)msg;
+    return 0;
+}
+static inline const float *gpu_forward(model *m, int batch)
+{
+    (void)m, (void)batch;
+    return NULL;
+}
+static inline double gpu_loss(model *m, int batch)
+{
+    (void)m, (void)batch;
+    return 0.0;
+}
+static inline int gpu_correct(const model *m, int batch)
+{
+    (void)m, (void)batch;
+    return 0;
+}
+static inline void gpu_backward(model *m, int batch, float scale, model_ready_fn ready, void *ctx)
+{
+    (void)m, (void)batch, (void)scale, (void)ready, (void)ctx;
+}
+static inline void gpu_optim_step(model *m, optim *o, float lr, float bc1, float bc2)
+{
+    (void)m, (void)o, (void)lr, (void)bc1, (void)bc2;
+}
+static inline float *gpu_grad_alloc(model *m, size_t n)
+{
+    (void)m, (void)n;
+    return NULL;
+}
+static inline void gpu_grad_free(model *m, float *p)
+{
+    (void)m, (void)p;
+}
+static inline void gpu_fill(model *m, float *p, size_t n, float v)
+{
+    (void)m, (void)p, (void)n, (void)v;
+}
+static inline void gpu_scale(model *m, float *p, size_t n, float a)
+{
+    (void)m, (void)p, (void)n, (void)a;
+}
+static inline float gpu_read(model *m, const float *p)
+{
+    (void)m, (void)p;
+    return 0.0f;
+}
+static inline void gpu_mark(model *m, int slot)
+{
+    (void)m, (void)slot;
+}
+static inline int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg)
+{
+    (void)m, (void)slot, (void)timeout_ms, (void)msg;
+    return -1;
+}
+static inline comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes)
+{
+    (void)m, (void)c, (void)buf, (void)bytes;
+    return COMM_ERR_ARG;
+}
+static inline comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n)
+{
+    (void)m, (void)c, (void)buf, (void)n;
+    return COMM_ERR_ARG;
+}
+
+#endif
+
+#endif

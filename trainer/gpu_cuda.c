@@ -1,0 +1,721 @@
+/* gpu_cuda.c: the model, optimizer and reducer buffers on a CUDA device.
+ *
+ * A mirror of model.c: gpu_attach() allocates in device memory what
+ * model_create() allocated on the host and re-points the model's parameter
+ * and gradient views there; forward and backward walk the same layer list
+ * with cuBLAS for the products and kernels.cu for the rest. Row-major
+ * gemm() maps onto column-major cuBLAS by computing C^T = op(B)^T op(A)^T:
+ * swap the operands and m with n, keep every leading dimension, and the
+ * bytes come out as the row-major C. Convolution runs im2col over the whole
+ * batch and one strided-batched GEMM where the CPU loops over samples.
+ *
+ * Batches go through two pinned host slots: the trainer gathers into m->x,
+ * forward copies that slot on the copy stream and hands the other slot to
+ * the host, waiting only until that slot's previous copy has finished; the
+ * copy of a slot waits for the compute stream to be done reading it.
+ *
+ * Knowingly simple: model_loss() and ddp_finish() each read a value back
+ * (a stream sync per micro-batch); one GEMM per linear layer is tiny at
+ * this model size, so a small-batch MLP is launch-bound on a big GPU.
+ * CUDA graphs of the whole step would remove the launch cost.
+ */
+#include "gpu.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+struct gpu_ctx {
+    int device;
+    cudaStream_t compute, copy;
+    cublasHandle_t blas;
+    int failed; /* sticky: the first error, kept in err */
+    char err[256];
+
+    /* the model mirror (gpu_attach) */
+    model *m;
+    float *weights, *grads; /* device: the flat parameters, the model's own gradients */
+    float *host_grads;      /* the model's host own_grads, restored on detach */
+    float *host_x;          /* the model's host x and y, restored on detach */
+    uint8_t *host_y;
+    float *out[MODEL_MAX_LAYERS], *dout[MODEL_MAX_LAYERS];
+    int32_t *argmax[MODEL_MAX_LAYERS];
+    float *col, *dcol, *dwtmp;
+    float *probs;
+    double *loss, *hloss; /* per sample: device, pinned host */
+    float *hlogits;       /* pinned: logits read back for model_correct */
+    float *dx[2], *hx[2]; /* two staging slots: device and pinned host */
+    uint8_t *dy[2], *hy[2];
+    cudaEvent_t copied[2], consumed[2];
+    int slot; /* the slot m->x points at */
+    int cur;  /* the slot of the last forward */
+    float *state;
+    size_t state_floats;
+    cudaEvent_t marks[MODEL_MAX_PARAMS];
+    void *scratch; /* staging for collectives on host buffers */
+    size_t scratch_bytes;
+};
+
+/* ---- errors ---- */
+
+static void fail(gpu_ctx *g, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void fail(gpu_ctx *g, const char *fmt, ...)
+{
+    if (g->failed) return;
+    g->failed = 1;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->err, sizeof(g->err), fmt, ap);
+    va_end(ap);
+}
+
+static int cuda_ok(gpu_ctx *g, cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess) return 1;
+    fail(g, "cuda: %s: %s", what, cudaGetErrorString(e));
+    return 0;
+}
+
+static int kern_ok(gpu_ctx *g, int e, const char *what)
+{
+    return cuda_ok(g, (cudaError_t)e, what);
+}
+
+static int blas_ok(gpu_ctx *g, cublasStatus_t s, const char *what)
+{
+    if (s == CUBLAS_STATUS_SUCCESS) return 1;
+    fail(g, "cublas: %s: %s", what, cublasGetStatusString(s));
+    return 0;
+}
+
+/* ---- context ---- */
+
+int gpu_device_count(char *why)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        if (why)
+            snprintf(why, 256, "no CUDA device (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+        cudaGetLastError(); /* not sticky: clear it */
+        return 0;
+    }
+    if (n == 0 && why) snprintf(why, 256, "no CUDA device (cudaGetDeviceCount: 0 devices)");
+    return n;
+}
+
+gpu_ctx *gpu_ctx_create(int device, char *msg)
+{
+    gpu_ctx *g = calloc(1, sizeof(*g));
+    if (!g) {
+        snprintf(msg, 256, "out of memory");
+        return NULL;
+    }
+    g->device = device;
+    if (!cuda_ok(g, cudaSetDevice(device), "cudaSetDevice") ||
+        !cuda_ok(g, cudaStreamCreateWithFlags(&g->compute, cudaStreamNonBlocking), "stream") ||
+        !cuda_ok(g, cudaStreamCreateWithFlags(&g->copy, cudaStreamNonBlocking), "stream"))
+        goto err;
+    if (!blas_ok(g, cublasCreate(&g->blas), "cublasCreate")) {
+        g->blas = NULL;
+        goto err;
+    }
+    /* Plain FP32, no TF32 tensor-op shortcut, so results match the CPU's SGEMM
+     * within float rounding. */
+    if (!blas_ok(g, cublasSetStream(g->blas, g->compute), "cublasSetStream") ||
+        !blas_ok(g, cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"))
+        goto err;
+    return g;
+err:
+    snprintf(msg, 256, "device %d: %.200s", device, g->err);
+    gpu_ctx_free(g);
+    return NULL;
+}
+
+static void free_mirror(gpu_ctx *g)
+{
+    if (g->compute) cudaStreamSynchronize(g->compute);
+    if (g->copy) cudaStreamSynchronize(g->copy);
+    for (int i = 0; i < MODEL_MAX_LAYERS; i++) {
+        cudaFree(g->out[i]);
+        cudaFree(g->dout[i]);
+        cudaFree(g->argmax[i]);
+    }
+    cudaFree(g->weights);
+    cudaFree(g->grads);
+    cudaFree(g->col);
+    cudaFree(g->dcol);
+    cudaFree(g->dwtmp);
+    cudaFree(g->probs);
+    cudaFree(g->loss);
+    cudaFree(g->state);
+    cudaFree(g->scratch);
+    cudaFreeHost(g->hloss);
+    cudaFreeHost(g->hlogits);
+    for (int s = 0; s < 2; s++) {
+        cudaFree(g->dx[s]);
+        cudaFree(g->dy[s]);
+        cudaFreeHost(g->hx[s]);
+        cudaFreeHost(g->hy[s]);
+        if (g->copied[s]) cudaEventDestroy(g->copied[s]);
+        if (g->consumed[s]) cudaEventDestroy(g->consumed[s]);
+    }
+    for (int i = 0; i < MODEL_MAX_PARAMS; i++)
+        if (g->marks[i]) cudaEventDestroy(g->marks[i]);
+}
+
+void gpu_ctx_free(gpu_ctx *g)
+{
+    if (!g) return;
+    cudaSetDevice(g->device);
+    free_mirror(g);
+    if (g->blas) cublasDestroy(g->blas);
+    if (g->copy) cudaStreamDestroy(g->copy);
+    if (g->compute) cudaStreamDestroy(g->compute);
+    free(g);
+}
+
+gpu_ctx *gpu_of(model *m)
+{
+    return m->dev;
+}
+
+kern_stream gpu_stream(gpu_ctx *g)
+{
+    return g->compute;
+}
+
+int gpu_sync(gpu_ctx *g, char *msg)
+{
+    cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
+    if (g->failed && msg) snprintf(msg, 256, "%s", g->err);
+    return g->failed ? -1 : 0;
+}
+
+/* ---- the layers ---- */
+
+static cublasOperation_t op(int trans)
+{
+    return trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+}
+
+void gpu_gemm(gpu_ctx *g, int trans_a, int trans_b, int m, int n, int k, float alpha,
+              const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc)
+{
+    blas_ok(g,
+            cublasSgemm(g->blas, op(trans_b), op(trans_a), n, m, k, &alpha, b, ldb, a, lda, &beta,
+                        c, ldc),
+            "cublasSgemm");
+}
+
+/* gpu_gemm over `count` independent problems at fixed strides (0: shared). */
+static void gemm_batched(gpu_ctx *g, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                         const float *a, int lda, long long sa, const float *b, int ldb,
+                         long long sb, float beta, float *c, int ldc, long long sc, int count)
+{
+    blas_ok(g,
+            cublasSgemmStridedBatched(g->blas, op(trans_b), op(trans_a), n, m, k, &alpha, b, ldb,
+                                      sb, a, lda, sa, &beta, c, ldc, sc, count),
+            "cublasSgemmStridedBatched");
+}
+
+void gpu_linear_forward(gpu_ctx *g, float *out, const float *in, const float *w, const float *b,
+                        int batch, int in_dim, int out_dim)
+{
+    kern_ok(g, kern_bias_fill(out, b, batch, out_dim, 1, g->compute), "bias");
+    gpu_gemm(g, 0, 1, batch, out_dim, in_dim, 1.0f, in, in_dim, w, in_dim, 1.0f, out, out_dim);
+}
+
+void gpu_linear_backward(gpu_ctx *g, float *din, float *dw, float *db, const float *dout,
+                         const float *in, const float *w, int batch, int in_dim, int out_dim)
+{
+    gpu_gemm(g, 1, 0, out_dim, in_dim, batch, 1.0f, dout, out_dim, in, in_dim, 1.0f, dw, in_dim);
+    kern_ok(g, kern_bias_grad(db, dout, batch, out_dim, 1, g->compute), "bias gradient");
+    if (din)
+        gpu_gemm(g, 0, 0, batch, in_dim, out_dim, 1.0f, dout, out_dim, w, in_dim, 0.0f, din,
+                 in_dim);
+}
+
+void gpu_conv_forward(gpu_ctx *g, float *out, const float *in, const float *w, const float *b,
+                      int batch, const conv_shape *s, float *col)
+{
+    int ohw = s->oh * s->ow, ckk = s->c * s->k * s->k;
+    kern_ok(g, kern_im2col(col, in, batch, s, g->compute), "im2col");
+    kern_ok(g, kern_bias_fill(out, b, batch, s->oc, ohw, g->compute), "bias");
+    gemm_batched(g, 0, 0, s->oc, ohw, ckk, 1.0f, w, ckk, 0, col, ohw, (long long)ckk * ohw, 1.0f,
+                 out, ohw, (long long)s->oc * ohw, batch);
+}
+
+void gpu_conv_backward(gpu_ctx *g, float *din, float *dw, float *db, const float *dout,
+                       const float *in, const float *w, int batch, const conv_shape *s, float *col,
+                       float *dcol, float *dwtmp)
+{
+    int ohw = s->oh * s->ow, ckk = s->c * s->k * s->k;
+    kern_ok(g, kern_im2col(col, in, batch, s, g->compute), "im2col");
+    /* Per-sample weight gradients, then their sum: two launches, not one per sample. */
+    gemm_batched(g, 0, 1, s->oc, ckk, ohw, 1.0f, dout, ohw, (long long)s->oc * ohw, col, ohw,
+                 (long long)ckk * ohw, 0.0f, dwtmp, ckk, (long long)s->oc * ckk, batch);
+    kern_ok(g, kern_sum_batches(dw, dwtmp, batch, (size_t)s->oc * ckk, g->compute), "dw sum");
+    kern_ok(g, kern_bias_grad(db, dout, batch, s->oc, ohw, g->compute), "bias gradient");
+    if (din) {
+        gemm_batched(g, 1, 0, ckk, ohw, s->oc, 1.0f, w, ckk, 0, dout, ohw, (long long)s->oc * ohw,
+                     0.0f, dcol, ohw, (long long)ckk * ohw, batch);
+        kern_ok(g, kern_col2im(din, dcol, batch, s, g->compute), "col2im");
+    }
+}
+
+/* ---- attach / detach ---- */
+
+static void *dalloc(gpu_ctx *g, size_t bytes)
+{
+    void *p = NULL;
+    if (!cuda_ok(g, cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc")) return NULL;
+    if (!cuda_ok(g, cudaMemset(p, 0, bytes ? bytes : 1), "cudaMemset")) {
+        cudaFree(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void *halloc(gpu_ctx *g, size_t bytes)
+{
+    void *p = NULL;
+    if (!cuda_ok(g, cudaMallocHost(&p, bytes ? bytes : 1), "cudaMallocHost")) return NULL;
+    return p;
+}
+
+static int alloc_mirror(gpu_ctx *g, model *m)
+{
+    size_t in = (size_t)m->cfg.in_c * m->cfg.in_h * m->cfg.in_w, col = 0, dw = 0;
+    size_t mb = (size_t)m->max_batch;
+    for (int i = 0; i < m->nlayers; i++) {
+        model_layer *l = &m->layers[i];
+        if (!(g->out[i] = dalloc(g, sizeof(float) * l->out_size * mb)) ||
+            !(g->dout[i] = dalloc(g, sizeof(float) * l->out_size * mb)))
+            return -1;
+        if (l->kind == LAYER_MAXPOOL &&
+            !(g->argmax[i] = dalloc(g, sizeof(int32_t) * l->out_size * mb)))
+            return -1;
+        if (l->kind == LAYER_CONV) {
+            size_t c = conv_col_size(&l->conv), w = m->params[l->wparam].numel;
+            col = c > col ? c : col;
+            dw = w > dw ? w : dw;
+        }
+    }
+    if (!(g->weights = dalloc(g, sizeof(float) * m->nfloats)) ||
+        !(g->grads = dalloc(g, sizeof(float) * m->nfloats)) ||
+        !(g->probs = dalloc(g, sizeof(float) * m->cfg.classes * mb)) ||
+        !(g->loss = dalloc(g, sizeof(double) * mb)) ||
+        !(g->hloss = halloc(g, sizeof(double) * mb)) ||
+        !(g->hlogits = halloc(g, sizeof(float) * m->cfg.classes * mb)))
+        return -1;
+    if (col && (!(g->col = dalloc(g, sizeof(float) * col * mb)) ||
+                !(g->dcol = dalloc(g, sizeof(float) * col * mb)) ||
+                !(g->dwtmp = dalloc(g, sizeof(float) * dw * mb))))
+        return -1;
+    for (int s = 0; s < 2; s++) {
+        if (!(g->dx[s] = dalloc(g, sizeof(float) * in * mb)) || !(g->dy[s] = dalloc(g, mb)) ||
+            !(g->hx[s] = halloc(g, sizeof(float) * in * mb)) || !(g->hy[s] = halloc(g, mb)) ||
+            !cuda_ok(g, cudaEventCreateWithFlags(&g->copied[s], cudaEventDisableTiming), "event") ||
+            !cuda_ok(g, cudaEventCreateWithFlags(&g->consumed[s], cudaEventDisableTiming), "event"))
+            return -1;
+    }
+    for (int i = 0; i < MODEL_MAX_PARAMS; i++)
+        if (!cuda_ok(g, cudaEventCreateWithFlags(&g->marks[i], cudaEventDisableTiming), "event"))
+            return -1;
+    return 0;
+}
+
+int gpu_attach(model *m, int device, char *msg)
+{
+    if (m->dev) {
+        snprintf(msg, 256, "model already on a device");
+        return -1;
+    }
+    gpu_ctx *g = gpu_ctx_create(device, msg);
+    if (!g) return -1;
+    if (alloc_mirror(g, m) != 0 ||
+        !cuda_ok(
+            g,
+            cudaMemcpy(g->weights, m->weights, sizeof(float) * m->nfloats, cudaMemcpyHostToDevice),
+            "uploading parameters")) {
+        snprintf(msg, 256, "device %d: %.200s", device, g->err);
+        gpu_ctx_free(g);
+        return -1;
+    }
+    g->m = m;
+    g->host_x = m->x;
+    g->host_y = m->y;
+    g->host_grads = m->own_grads;
+    m->x = g->hx[0];
+    m->y = g->hy[0];
+    m->own_grads = g->grads;
+    for (int i = 0; i < m->nparams; i++) {
+        m->params[i].data = g->weights + m->params[i].offset;
+        m->params[i].grad = g->grads + m->params[i].offset;
+    }
+    m->dev = g;
+    return 0;
+}
+
+void gpu_detach(model *m)
+{
+    gpu_ctx *g = m->dev;
+    if (!g) return;
+    m->x = g->host_x;
+    m->y = g->host_y;
+    m->own_grads = g->host_grads;
+    for (int i = 0; i < m->nparams; i++) {
+        m->params[i].data = m->weights + m->params[i].offset;
+        m->params[i].grad = m->own_grads + m->params[i].offset;
+    }
+    m->dev = NULL;
+    gpu_ctx_free(g);
+}
+
+static int state_ready(gpu_ctx *g, const optim *o)
+{
+    size_t n = o->n * (size_t)o->nstate;
+    if (g->state && g->state_floats == n) return 0;
+    cudaFree(g->state);
+    g->state_floats = 0;
+    if (!(g->state = dalloc(g, sizeof(float) * n))) return -1;
+    g->state_floats = n;
+    return 0;
+}
+
+int gpu_upload(model *m, const optim *o, char *msg)
+{
+    gpu_ctx *g = m->dev;
+    cuda_ok(g,
+            cudaMemcpyAsync(g->weights, m->weights, sizeof(float) * m->nfloats,
+                            cudaMemcpyHostToDevice, g->compute),
+            "uploading parameters");
+    if (o && state_ready(g, o) == 0)
+        cuda_ok(g,
+                cudaMemcpyAsync(g->state, o->state, sizeof(float) * g->state_floats,
+                                cudaMemcpyHostToDevice, g->compute),
+                "uploading optimizer state");
+    return gpu_sync(g, msg);
+}
+
+int gpu_download(model *m, optim *o, char *msg)
+{
+    gpu_ctx *g = m->dev;
+    cuda_ok(g,
+            cudaMemcpyAsync(m->weights, g->weights, sizeof(float) * m->nfloats,
+                            cudaMemcpyDeviceToHost, g->compute),
+            "downloading parameters");
+    if (o && state_ready(g, o) == 0)
+        cuda_ok(g,
+                cudaMemcpyAsync(o->state, g->state, sizeof(float) * g->state_floats,
+                                cudaMemcpyDeviceToHost, g->compute),
+                "downloading optimizer state");
+    return gpu_sync(g, msg);
+}
+
+int gpu_status(model *m, char *msg)
+{
+    return gpu_sync(m->dev, msg);
+}
+
+/* ---- forward, loss, backward ---- */
+
+/* The batch the host gathered into m->x/m->y goes to the device on the copy
+ * stream; the other slot becomes m->x/m->y once its last copy is done. */
+static void stage_batch(gpu_ctx *g, model *m, int batch)
+{
+    int s = g->slot;
+    size_t in = (size_t)m->cfg.in_c * m->cfg.in_h * m->cfg.in_w;
+    cuda_ok(g, cudaStreamWaitEvent(g->copy, g->consumed[s], 0), "copy wait");
+    cuda_ok(g,
+            cudaMemcpyAsync(g->dx[s], g->hx[s], sizeof(float) * in * batch, cudaMemcpyHostToDevice,
+                            g->copy),
+            "batch copy");
+    cuda_ok(g, cudaMemcpyAsync(g->dy[s], g->hy[s], batch, cudaMemcpyHostToDevice, g->copy),
+            "label copy");
+    cuda_ok(g, cudaEventRecord(g->copied[s], g->copy), "event");
+    cuda_ok(g, cudaStreamWaitEvent(g->compute, g->copied[s], 0), "compute wait");
+    g->cur = s;
+    g->slot = s ^ 1;
+    cuda_ok(g, cudaEventSynchronize(g->copied[s ^ 1]), "staging slot");
+    m->x = g->hx[s ^ 1];
+    m->y = g->hy[s ^ 1];
+}
+
+static const float *input_of(gpu_ctx *g, int i)
+{
+    return i == 0 ? g->dx[g->cur] : g->out[i - 1];
+}
+
+const float *gpu_forward(model *m, int batch)
+{
+    gpu_ctx *g = m->dev;
+    stage_batch(g, m, batch);
+    for (int i = 0; i < m->nlayers; i++) {
+        model_layer *l = &m->layers[i];
+        const float *in = input_of(g, i);
+        switch (l->kind) {
+        case LAYER_LINEAR:
+            gpu_linear_forward(g, g->out[i], in, m->params[l->wparam].data,
+                               m->params[l->bparam].data, batch, l->in_size, l->out_size);
+            break;
+        case LAYER_RELU:
+            kern_ok(g, kern_relu_forward(g->out[i], in, (size_t)batch * l->out_size, g->compute),
+                    "relu");
+            break;
+        case LAYER_CONV:
+            gpu_conv_forward(g, g->out[i], in, m->params[l->wparam].data, m->params[l->bparam].data,
+                             batch, &l->conv, g->col);
+            break;
+        case LAYER_MAXPOOL:
+            kern_ok(g,
+                    kern_maxpool_forward(g->out[i], g->argmax[i], in, batch, l->c, l->h, l->w,
+                                         g->compute),
+                    "max-pool");
+            break;
+        }
+    }
+    cuda_ok(g, cudaEventRecord(g->consumed[g->cur], g->compute), "event");
+    return g->out[m->nlayers - 1];
+}
+
+double gpu_loss(model *m, int batch)
+{
+    gpu_ctx *g = m->dev;
+    kern_ok(g,
+            kern_softmax_xent_forward(g->probs, g->loss, g->out[m->nlayers - 1], g->dy[g->cur],
+                                      batch, m->cfg.classes, g->compute),
+            "softmax");
+    cuda_ok(g,
+            cudaMemcpyAsync(g->hloss, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost,
+                            g->compute),
+            "loss copy");
+    if (gpu_sync(g, NULL) != 0) return NAN;
+    double loss = 0.0;
+    for (int i = 0; i < batch; i++)
+        loss += g->hloss[i];
+    return loss;
+}
+
+int gpu_correct(const model *m, int batch)
+{
+    gpu_ctx *g = m->dev;
+    int k = m->cfg.classes, correct = 0;
+    cuda_ok(g,
+            cudaMemcpyAsync(g->hlogits, g->out[m->nlayers - 1], sizeof(float) * k * batch,
+                            cudaMemcpyDeviceToHost, g->compute),
+            "logits copy");
+    if (gpu_sync(g, NULL) != 0) return 0;
+    const float *z = g->hlogits;
+    const uint8_t *y = g->hy[g->cur]; /* the host slot is not reused before the next forward */
+    for (int i = 0; i < batch; i++) {
+        int best = 0;
+        for (int j = 1; j < k; j++)
+            if (z[i * k + j] > z[i * k + best]) best = j;
+        correct += best == y[i];
+    }
+    return correct;
+}
+
+void gpu_backward(model *m, int batch, float scale, model_ready_fn ready, void *ctx)
+{
+    gpu_ctx *g = m->dev;
+    int last = m->nlayers - 1;
+    kern_ok(g,
+            kern_softmax_xent_backward(g->dout[last], g->probs, g->dy[g->cur], batch,
+                                       m->cfg.classes, scale, g->compute),
+            "softmax backward");
+    for (int i = last; i >= 0; i--) {
+        model_layer *l = &m->layers[i];
+        const float *in = input_of(g, i);
+        float *din = i > 0 ? g->dout[i - 1] : NULL;
+        switch (l->kind) {
+        case LAYER_LINEAR:
+            gpu_linear_backward(g, din, m->params[l->wparam].grad, m->params[l->bparam].grad,
+                                g->dout[i], in, m->params[l->wparam].data, batch, l->in_size,
+                                l->out_size);
+            break;
+        case LAYER_RELU:
+            if (din)
+                kern_ok(g,
+                        kern_relu_backward(din, g->dout[i], g->out[i], (size_t)batch * l->out_size,
+                                           g->compute),
+                        "relu backward");
+            break;
+        case LAYER_CONV:
+            gpu_conv_backward(g, din, m->params[l->wparam].grad, m->params[l->bparam].grad,
+                              g->dout[i], in, m->params[l->wparam].data, batch, &l->conv, g->col,
+                              g->dcol, g->dwtmp);
+            break;
+        case LAYER_MAXPOOL:
+            if (din)
+                kern_ok(g,
+                        kern_maxpool_backward(din, g->dout[i], g->argmax[i], batch, l->c, l->h,
+                                              l->w, g->compute),
+                        "max-pool backward");
+            break;
+        }
+        if (l->wparam >= 0 && ready) {
+            ready(ctx, l->bparam);
+            ready(ctx, l->wparam);
+        }
+    }
+    cuda_ok(g, cudaEventRecord(g->consumed[g->cur], g->compute), "event");
+}
+
+/* ---- optimizer ---- */
+
+void gpu_optim_step(model *m, optim *o, float lr, float bc1, float bc2)
+{
+    gpu_ctx *g = m->dev;
+    if (state_ready(g, o) != 0) return;
+    for (int i = 0; i < m->nparams; i++) {
+        model_param *p = &m->params[i];
+        float *s0 = g->state + p->offset;
+        int e;
+        if (o->cfg.kind == OPTIM_SGD)
+            e = kern_sgd_update(p->data, p->grad, s0, p->numel, lr, o->cfg.momentum,
+                                o->cfg.weight_decay, g->compute);
+        else
+            e = kern_adamw_update(p->data, p->grad, s0, s0 + o->n, p->numel, lr, o->cfg.beta1,
+                                  o->cfg.beta2, o->cfg.eps, o->cfg.weight_decay, bc1, bc2,
+                                  g->compute);
+        kern_ok(g, e, "optimizer update");
+    }
+}
+
+/* ---- the reducer's buffers ---- */
+
+float *gpu_grad_alloc(model *m, size_t n)
+{
+    return dalloc(m->dev, sizeof(float) * n);
+}
+
+void gpu_grad_free(model *m, float *p)
+{
+    gpu_ctx *g = m->dev;
+    if (!p) return;
+    cudaStreamSynchronize(g->compute);
+    cudaFree(p);
+}
+
+void gpu_fill(model *m, float *p, size_t n, float v)
+{
+    gpu_ctx *g = m->dev;
+    kern_ok(g, kern_fill(p, n, v, g->compute), "fill");
+}
+
+void gpu_scale(model *m, float *p, size_t n, float a)
+{
+    gpu_ctx *g = m->dev;
+    kern_ok(g, kern_scale(p, n, a, g->compute), "scale");
+}
+
+float gpu_read(model *m, const float *p)
+{
+    gpu_ctx *g = m->dev;
+    float v = NAN;
+    cuda_ok(g, cudaMemcpyAsync(&v, p, sizeof(v), cudaMemcpyDeviceToHost, g->compute), "read");
+    if (gpu_sync(g, NULL) != 0) return NAN;
+    return v;
+}
+
+void gpu_mark(model *m, int slot)
+{
+    gpu_ctx *g = m->dev;
+    cuda_ok(g, cudaEventRecord(g->marks[slot], g->compute), "bucket event");
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Polled, so a wedged device turns into an error, never a hang. */
+int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg)
+{
+    gpu_ctx *g = m->dev;
+    int64_t deadline = now_ms() + timeout_ms;
+    cudaError_t e = cudaSetDevice(g->device);
+    while (e == cudaSuccess) {
+        e = cudaEventQuery(g->marks[slot]);
+        if (e == cudaSuccess) return 0;
+        if (e != cudaErrorNotReady) break;
+        if (now_ms() >= deadline) {
+            snprintf(msg, 256, "gradients of bucket %d not written after %d ms", slot, timeout_ms);
+            return -1;
+        }
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+        e = cudaSuccess;
+    }
+    snprintf(msg, 256, "waiting for bucket %d: %s", slot, cudaGetErrorString(e));
+    return -1;
+}
+
+/* NCCL needs device memory: host buffers go through a device scratch. */
+static void *staged(gpu_ctx *g, void *buf, size_t bytes, comm_err *err)
+{
+    struct cudaPointerAttributes a;
+    *err = COMM_OK;
+    if (cudaPointerGetAttributes(&a, buf) == cudaSuccess &&
+        (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
+        return buf;
+    cudaGetLastError();
+    if (g->scratch_bytes < bytes) {
+        cudaFree(g->scratch);
+        g->scratch_bytes = 0;
+        if (cudaMalloc(&g->scratch, bytes) != cudaSuccess) {
+            g->scratch = NULL;
+            *err = COMM_ERR_CUDA;
+            return NULL;
+        }
+        g->scratch_bytes = bytes;
+    }
+    if (cudaMemcpy(g->scratch, buf, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+        *err = COMM_ERR_CUDA;
+        return NULL;
+    }
+    return g->scratch;
+}
+
+static comm_err unstage(void *buf, void *dev, size_t bytes, comm_err err)
+{
+    if (err == COMM_OK && dev != buf &&
+        cudaMemcpy(buf, dev, bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return COMM_ERR_CUDA;
+    return err;
+}
+
+comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes)
+{
+    gpu_ctx *g = m->dev;
+    comm_err err;
+    if (bytes == 0) return comm_broadcast(c, buf, bytes, 0);
+    cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
+    void *dev = staged(g, buf, bytes, &err);
+    if (err != COMM_OK) return err;
+    return unstage(buf, dev, bytes, comm_broadcast(c, dev, bytes, 0));
+}
+
+comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n)
+{
+    gpu_ctx *g = m->dev;
+    comm_err err;
+    if (n == 0) return comm_allreduce_sum_f32(c, buf, n);
+    cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
+    void *dev = staged(g, buf, sizeof(float) * n, &err);
+    if (err != COMM_OK) return err;
+    return unstage(buf, dev, sizeof(float) * n, comm_allreduce_sum_f32(c, dev, n));
+}
