@@ -8,6 +8,11 @@
  * steps, and rank 0 checkpoints. The stop decision travels with the last
  * gradient bucket, so all ranks stop after the same step; SIGTERM finishes
  * the step, saves and exits 0.
+ *
+ * --device cuda (or auto with a device present) runs the same loop on the
+ * GPU with NCCL between ranks: gpu_attach() moves the model there and the
+ * model, optimizer and reducer calls dispatch to gpu_cuda.c; parameters are
+ * copied back to the host only to checkpoint, dump or broadcast them.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -29,6 +34,7 @@
 #include "comm.h"
 #include "data.h"
 #include "ddp.h"
+#include "gpu.h"
 #include "model.h"
 #include "optim.h"
 #include "rdzv.h"
@@ -52,7 +58,11 @@ typedef struct options {
     double bucket_cap_mb;
     uint64_t seed;
     const char *data, *summary, *checkpoint_dir, *record, *dump_params, *host;
+    int device; /* DEVICE_* */
+    int gpu;    /* CUDA ordinal when device is DEVICE_CUDA */
 } options;
+
+enum { DEVICE_AUTO = -1, DEVICE_CPU = 0, DEVICE_CUDA = 1 };
 
 static const struct option long_opts[] = {
     {"model", 1, 0, 'm'},
@@ -84,6 +94,7 @@ static const struct option long_opts[] = {
     {"log-every", 1, 0, 'g'},
     {"host", 1, 0, 'h'},
     {"comm-timeout-ms", 1, 0, 'x'},
+    {"device", 1, 0, 'G'},
     {"help", 0, 0, '?'},
     {0, 0, 0, 0},
 };
@@ -121,6 +132,8 @@ static void usage(FILE *f)
         "  --log-every N          steps between log lines (100)\n"
         "  --host ADDR            address the ring listens on and publishes (127.0.0.1)\n"
         "  --comm-timeout-ms MS   deadline for a silent peer (30000)\n"
+        "  --device auto|cpu|cuda where to train; auto: CUDA when a device is present,\n"
+        "                         the device LOCAL_RANK modulo the device count (auto)\n"
         "Every option can also be set as DUCTILE_TRAIN_<NAME> (--batch-size: "
         "DUCTILE_TRAIN_BATCH_SIZE).\n"
         "Under ductile-agent: RANK, WORLD_SIZE, LOCAL_RANK, DUCTILE_ETCD_ENDPOINTS,\n"
@@ -265,6 +278,11 @@ static int set_option(options *o, int id, const char *name, const char *v)
         return 0;
     case 'x':
         return parse_int(name, v, 100, 3600000, &i) ? -1 : (o->comm_timeout_ms = (int)i, 0);
+    case 'G':
+        if (strcmp(v, "auto") && strcmp(v, "cpu") && strcmp(v, "cuda"))
+            return bad_value(name, v, "auto, cpu or cuda");
+        o->device = !strcmp(v, "cuda") ? DEVICE_CUDA : !strcmp(v, "cpu") ? DEVICE_CPU : DEVICE_AUTO;
+        return 0;
     }
     return -1;
 }
@@ -292,6 +310,7 @@ static int parse_options(int argc, char **argv, options *o)
     o->overlap = 1;
     o->log_every = 100;
     o->comm_timeout_ms = 30000;
+    o->device = DEVICE_AUTO;
     for (const struct option *lo = long_opts; lo->name; lo++) {
         char env[64];
         int n = snprintf(env, sizeof(env), "DUCTILE_TRAIN_");
@@ -390,11 +409,14 @@ static int group_join(group *g, const options *o)
                       .world_size = g->world,
                       .store = g->store,
                       .host = o->host,
-                      .timeout_ms = o->comm_timeout_ms};
-    comm_err ce = comm_ring_init(&cc, &g->comm);
+                      .timeout_ms = o->comm_timeout_ms,
+                      .device = o->gpu};
+    int cuda = o->device == DEVICE_CUDA;
+    comm_err ce = cuda ? comm_nccl_init(&cc, &g->comm) : comm_ring_init(&cc, &g->comm);
     if (ce != COMM_OK) {
-        fprintf(stderr, "ductile-train: rank %d: building the ring: %s: %s\n", g->rank,
-                comm_strerror(ce), rdzv_store_last_error(g->store));
+        fprintf(stderr, "ductile-train: rank %d: building the %s: %s: %s\n", g->rank,
+                cuda ? "NCCL communicator" : "ring", comm_strerror(ce),
+                rdzv_store_last_error(g->store));
         rdzv_store_close(g->store);
         g->store = NULL;
         return -1;
@@ -546,6 +568,9 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
         if (de != DDP_OK)
             return fail("rank %d: step %lld: %s: %s", t->g.rank, (long long)t->st.step,
                         ddp_strerror(de), ddp_last_error(t->r));
+        char msg[256];
+        if (t->m->dev && gpu_status(t->m, msg) != 0)
+            return fail("rank %d: step %lld: %s", t->g.rank, (long long)t->st.step, msg);
     }
     /* The schedule follows samples, not steps, so it survives a change of
      * world size; --max-steps does not change it, so a run cut short and
@@ -591,6 +616,10 @@ static void save_checkpoint(trainer *t)
     if (!t->o.checkpoint_dir) return;
     if (t->g.rank == 0) {
         t->st.optim_t = t->opt->t;
+        if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0) {
+            fail("checkpoint at step %lld not saved: %s", (long long)t->st.step, msg);
+            return;
+        }
         ckpt_err e = ckpt_save(t->o.checkpoint_dir, &t->st, t->m->weights, t->m->nfloats,
                                t->opt->state, t->opt->n * t->opt->nstate, path, msg);
         if (e != CKPT_OK) {
@@ -657,6 +686,8 @@ static int trainer_setup(trainer *t)
     int max_batch = t->o.batch > 256 ? t->o.batch : 256;
     if (model_create(&t->o.cfg, max_batch, &t->m, msg) != 0) return fail("%s", msg);
     model_init_params(t->m, t->o.seed);
+    if (t->o.device == DEVICE_CUDA && gpu_attach(t->m, t->o.gpu, msg) != 0)
+        return fail("--device cuda: %s", msg);
     optim_config oc = {.kind = t->o.optimizer,
                        .momentum = t->o.momentum,
                        .weight_decay = t->o.weight_decay,
@@ -676,7 +707,28 @@ static int trainer_setup(trainer *t)
     t->st.optim_kind = t->o.optimizer;
     t->st.optim_nstate = t->opt->nstate;
     t->st.cfg = t->o.cfg;
-    return resume_and_sync(t);
+    if (resume_and_sync(t) != 0) return -1;
+    if (t->m->dev && gpu_upload(t->m, t->opt, msg) != 0) return fail("--device cuda: %s", msg);
+    return 0;
+}
+
+/* --device: auto is CUDA when a device is present; the ordinal is LOCAL_RANK
+ * modulo the device count (one trainer per GPU under ductile-agent). */
+static int pick_device(options *o)
+{
+    char why[256];
+    long long local;
+    if (o->device == DEVICE_CPU) return 0;
+    int n = gpu_device_count(why);
+    if (n == 0) {
+        if (o->device == DEVICE_CUDA) return fail("--device cuda: %s", why);
+        o->device = DEVICE_CPU;
+        return 0;
+    }
+    if (env_int("LOCAL_RANK", 0, 65535, 0, &local) != 0) return -1;
+    o->device = DEVICE_CUDA;
+    o->gpu = (int)(local % n);
+    return 0;
 }
 
 static void write_summary(const trainer *t, double acc, double seconds, const char *why)
@@ -697,6 +749,7 @@ static void write_summary(const trainer *t, double acc, double seconds, const ch
     cJSON_AddNumberToObject(j, "world_size", t->g.world);
     cJSON_AddNumberToObject(j, "round", (double)t->g.round);
     cJSON_AddStringToObject(j, "model", desc);
+    cJSON_AddStringToObject(j, "device", t->m->dev ? "cuda" : "cpu");
     cJSON_AddStringToObject(j, "optimizer", t->o.optimizer == OPTIM_ADAMW ? "adamw" : "sgd");
     cJSON_AddNumberToObject(j, "batch_size", t->o.batch);
     cJSON_AddNumberToObject(j, "accumulate", t->o.accumulate);
@@ -715,9 +768,14 @@ static void write_summary(const trainer *t, double acc, double seconds, const ch
     cJSON_Delete(j);
 }
 
-static void dump_params(const trainer *t)
+static void dump_params(trainer *t)
 {
+    char msg[256];
     if (!t->o.dump_params || t->g.rank != 0) return;
+    if (t->m->dev && gpu_download(t->m, NULL, msg) != 0) {
+        fail("writing %s: %s", t->o.dump_params, msg);
+        return;
+    }
     FILE *f = fopen(t->o.dump_params, "wb");
     if (!f || fwrite(t->m->weights, sizeof(float), t->m->nfloats, f) != t->m->nfloats ||
         fclose(f) != 0)
@@ -755,15 +813,16 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     signal(SIGTERM, on_signal);
     signal(SIGINT, on_signal);
-    if (group_join(&t.g, &t.o) != 0 || (openblas_set_num_threads(blas_threads(&t.o, &t.g)), 0) ||
-        trainer_setup(&t) != 0) {
+    if (pick_device(&t.o) != 0 || group_join(&t.g, &t.o) != 0 ||
+        (openblas_set_num_threads(blas_threads(&t.o, &t.g)), 0) || trainer_setup(&t) != 0) {
         trainer_free(&t);
         return 1;
     }
     char desc[256];
     model_describe(&t.o.cfg, desc, sizeof(desc));
-    say(&t, "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld", desc,
-        t.m->nfloats, ddp_bucket_count(t.r), t.train.n, t.g.world, (long long)t.g.round);
+    say(&t, "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s", desc,
+        t.m->nfloats, ddp_bucket_count(t.r), t.train.n, t.g.world, (long long)t.g.round,
+        t.m->dev ? "cuda" : "cpu");
 
     double t0 = now_s(), tlog = t0, acc = 0;
     int64_t logged = t.st.samples, evaluated = -1;
