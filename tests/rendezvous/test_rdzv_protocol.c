@@ -334,6 +334,31 @@ static int sc_etcd_restart(tp_set *s, test_etcd *e)
     CHECK(test_etcd_restart(e) == 0, "etcd restart");
     ids[2] = tp_spawn(s, "p2", opts);
     if (expect_round(s, ids, 3, 1, 60000, lines) != 0) return 1;
+    /* etcd goes away again under a frozen round; once it is back, a leave
+     * must still reach everyone (their watches resumed) */
+    test_etcd_kill(e);
+    usleep(1500 * 1000);
+    CHECK(test_etcd_restart(e) == 0, "etcd restart");
+    int who = holder(lines, 3, 1);
+    CHECK(who >= 0, "no rank 1");
+    CHECK(tp_send(s, ids[who], "leave") == 0, "send");
+    char members[LINE], expect[LINE];
+    tp_field(lines[0], "members", members, sizeof(members));
+    without(members, s->procs[ids[who]].node, expect, sizeof(expect));
+    int rest[3], m = 0;
+    for (int k = 0; k < 3; k++) {
+        if (k == who) continue;
+        rest[m++] = ids[k];
+        CHECK(tp_expect(s, ids[k], "ENDED", 20000, line, sizeof(line)) == 0, "no end");
+        CHECK(strstr(line, "cause=member_left"), "%s", line);
+    }
+    /* min is 3: a newcomer completes the next round, after the survivors */
+    rest[m++] = tp_spawn(s, "p3", opts);
+    if (expect_round(s, rest, 3, 1, 60000, lines) != 0) return 1;
+    tp_field(lines[0], "members", members, sizeof(members));
+    size_t l = strlen(expect);
+    snprintf(expect + l, sizeof(expect) - l, ",p3");
+    CHECK(strcmp(members, expect) == 0, "expected %s, got %s", expect, members);
     free(lines);
     return 0;
 }

@@ -6,6 +6,7 @@
  * of round 1 refuses every write while round 2's accepts them. Ends with the
  * job status as `ductile-agent status` would print it.
  */
+#include "etcd.h"
 #include "rdzv.h"
 #include "test_etcd.h"
 
@@ -223,11 +224,30 @@ int main(void)
     rdzv_status_free(&st);
     CHECK(rdzv_get_status(&etcd, "Bad_Job", &st, msg) == RDZV_ERR_ARG, "bad job id");
 
+    CHECK(rdzv_seconds_in_rendezvous(a) > 0, "time in rendezvous");
+
+    /* b leaves: round 3 opens, and round 1's keys are cleaned up (etcd must
+     * not grow with every round) while round 2's are kept */
+    CHECK(rdzv_leave(b) == RDZV_OK, "leave");
+    rdzv_close(b);
+    expect_event(a, RDZV_EV_FROZEN, &ev);
+    CHECK(ev.round.number == 3 && ev.round.nmembers == 1, "round 3");
+    rdzv_event_free(&ev);
+    etcd_config ec = {.endpoints = e.endpoint};
+    etcd_client *c = NULL;
+    CHECK(etcd_client_new(&ec, &c) == ETCD_OK, "etcd client");
+    etcd_range_result rr;
+    CHECK(etcd_range(c, "/ductile/store/rounds/1/", 1, 0, &rr) == ETCD_OK, "range");
+    CHECK(rr.n == 0, "round 1 still has %zu keys", rr.n);
+    etcd_range_result_free(&rr);
+    CHECK(etcd_range(c, "/ductile/store/rounds/2/store/", 1, 0, &rr) == ETCD_OK && rr.n == 1,
+          "round 2 keys kept");
+    etcd_range_result_free(&rr);
+    etcd_client_free(c);
+
     rdzv_store_close(s1);
     rdzv_store_close(s2);
     rdzv_store_close(s3);
-    CHECK(rdzv_leave(b) == RDZV_OK, "leave");
-    rdzv_close(b);
     rdzv_close(a);
     test_etcd_stop(&e);
     printf("ok store\n");
