@@ -172,8 +172,8 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_STOP_GRACE] = {"stop-grace", "DUCTILE_STOP_GRACE", "SECONDS", "5",
                         "between SIGTERM and SIGKILL when stopping workers for a new round"},
     [OPT_REBUILD] = {"rebuild", "DUCTILE_REBUILD", "restart|inplace", "restart",
-                     "restart: stop and relaunch workers each round; inplace: keep them and "
-                     "send the new round on DUCTILE_CONTROL_FD"},
+                     "restart: relaunch workers each round; inplace: keep them, send "
+                     "rounds on DUCTILE_CONTROL_FD"},
     [OPT_STANDALONE] = {"standalone", "DUCTILE_STANDALONE", NULL, "off",
                         "run a private etcd on a free loopback port (one-machine runs)"},
     [OPT_HTTP_PORT] = {"http-port", "DUCTILE_HTTP_PORT", "PORT", "0 (off)",
@@ -195,7 +195,9 @@ static void usage(FILE *f)
                "       ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]\n\n"
                "Runs COMMAND as K workers per node of an elastic job whose nodes meet in\n"
                "etcd. Every option also comes from its environment variable; the command\n"
-               "line wins. Durations are seconds and may have decimals.\n\n");
+               "line wins. Durations are seconds and may have decimals. Worker output is\n"
+               "passed through as \"[RANK] line\" (stdout to stdout, stderr to stderr); the\n"
+               "agent's own log lines go to stderr.\n\n");
     for (int i = 0; i < OPT_COUNT; i++) {
         const agent_opt *o = &agent_opt_table[i];
         char left[64];
