@@ -443,7 +443,8 @@ typedef struct trainer {
     ddp_reducer *r;
     ckpt_state st;
     int64_t start_step, start_samples;
-    double loss_sum; /* since the last log line */
+    double loss_sum;     /* since the last log line */
+    double eval_seconds; /* spent evaluating, left out of samples/s */
     int loss_n;
     char *records; /* sample records not yet committed */
     size_t nrecords, caprecords;
@@ -592,6 +593,7 @@ static int evaluate(trainer *t, double *accuracy)
     int hi = (int)((int64_t)n * (t->g.rank + 1) / t->g.world);
     float correct = 0;
     int32_t ids[1024];
+    double t0 = now_s();
     for (int i = lo; i < hi;) {
         int count = hi - i < t->m->max_batch ? hi - i : t->m->max_batch;
         count = count < 1024 ? count : 1024;
@@ -605,6 +607,7 @@ static int evaluate(trainer *t, double *accuracy)
     if (ddp_allreduce(t->r, &correct, 1) != DDP_OK)
         return fail("rank %d: evaluation: %s", t->g.rank, ddp_last_error(t->r));
     *accuracy = (double)correct / n;
+    t->eval_seconds += now_s() - t0;
     return 0;
 }
 
@@ -745,7 +748,9 @@ static void write_summary(const trainer *t, double acc, double seconds, const ch
     cJSON_AddNumberToObject(j, "samples_this_run", (double)samples);
     cJSON_AddNumberToObject(j, "epochs", t->st.epoch + (double)t->st.pos / t->train.n);
     cJSON_AddNumberToObject(j, "seconds", seconds);
-    cJSON_AddNumberToObject(j, "samples_per_s", seconds > 0 ? samples / seconds : 0);
+    double train_s = seconds - t->eval_seconds;
+    cJSON_AddNumberToObject(j, "eval_seconds", t->eval_seconds);
+    cJSON_AddNumberToObject(j, "samples_per_s", train_s > 0 ? samples / train_s : 0);
     cJSON_AddNumberToObject(j, "world_size", t->g.world);
     cJSON_AddNumberToObject(j, "round", (double)t->g.round);
     cJSON_AddStringToObject(j, "model", desc);
