@@ -438,6 +438,30 @@ static int sc_all_dead(tp_set *s)
     return 0;
 }
 
+/* The earliest joiner (the one that freezes) dies while the round is open:
+ * the next joiner, watching its key, takes over and freezes without it. */
+static int sc_takeover(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "takeover");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE];
+    const char *opts = "--min 3 --max 3 --ttl 3";
+    int first = tp_spawn(s, "a0", opts);
+    CHECK(tp_expect(s, first, "OPEN", 20000, line, sizeof(line)) == 0, "a0 open");
+    int ids[3];
+    ids[0] = tp_spawn(s, "a1", opts);
+    CHECK(tp_expect(s, ids[0], "OPEN", 20000, line, sizeof(line)) == 0, "a1 open");
+    tp_kill(s, first, SIGKILL);
+    ids[1] = tp_spawn(s, "a2", opts);
+    ids[2] = tp_spawn(s, "a3", opts);
+    if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
+    char members[LINE];
+    tp_field(lines[0], "members", members, sizeof(members));
+    CHECK(strstr(members, "a0") == NULL, "the dead freezer is a member: %s", members);
+    free(lines);
+    return 0;
+}
+
 static int sc_errors(tp_set *s)
 {
     char line[LINE], err[64];
@@ -477,7 +501,8 @@ int main(int argc, char **argv)
     if (argc != 2) {
         fprintf(
             stderr,
-            "usage: %s form|kill|leave|waiting|failure|finish|etcd-restart|stall|all-dead|errors\n",
+            "usage: %s "
+            "form|kill|leave|waiting|failure|finish|etcd-restart|takeover|stall|all-dead|errors\n",
             argv[0]);
         return 2;
     }
@@ -501,6 +526,8 @@ int main(int argc, char **argv)
         rc = sc_finish(&s);
     else if (!strcmp(sc, "etcd-restart"))
         rc = sc_etcd_restart(&s, &e);
+    else if (!strcmp(sc, "takeover"))
+        rc = sc_takeover(&s);
     else if (!strcmp(sc, "stall"))
         rc = sc_stall(&s);
     else if (!strcmp(sc, "all-dead"))
