@@ -11,6 +11,9 @@
  * events, and rdzv_fd() becomes readable whenever rdzv_next_event() has one.
  * The round store (rdzv_store_*) is separate and light so that trainer
  * processes can use it with just the etcd endpoints, the job and the round.
+ *
+ * DUCTILE_RDZV_DEBUG=1 in the environment logs each protocol step (join,
+ * freeze, new round, retries) to stderr; the library is silent otherwise.
  */
 #ifndef DUCTILE_RDZV_H
 #define DUCTILE_RDZV_H
@@ -61,7 +64,8 @@ typedef struct rdzv_config {
     int max_nodes;        /* >= min_nodes */
     int last_call_ms;     /* after min_nodes joined, wait this long past the last join */
     int lease_ttl_s;      /* node lease TTL (>= 2) */
-    int join_timeout_ms;  /* a round must freeze within this, else RDZV_EV_ERROR */
+    int join_timeout_ms;  /* a round must freeze within this, else RDZV_EV_ERROR;
+                             0 means 600000. A hot spare has no such deadline. */
     int max_restarts;     /* job-wide failure budget; the first agent's value is kept */
 } rdzv_config;
 
@@ -136,7 +140,10 @@ rdzv_err rdzv_next_event(rdzv *r, int timeout_ms, rdzv_event *ev);
 /* A worker or peer failed in the current round: counts one job-wide restart
  * and ends the round (cause FAILURE). Past max_restarts the job is marked
  * failed and every agent gets RDZV_EV_JOB_FAILED. *restarts (may be NULL)
- * receives the new count. */
+ * receives the new count. Only the first report about a round counts: when
+ * the round this node was last frozen into has already ended (another agent
+ * reported the same failure, or a member was lost), nothing is counted and
+ * *restarts is the current count. */
 rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts);
 
 /* The job completed: mark it done so that every agent, and any that starts
