@@ -1307,33 +1307,29 @@ static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
         if (want_created && w->pending != ETCD_OK) return w->pending;
         if (!want_created && (w->nqueue || w->pending != ETCD_OK)) return ETCD_OK;
         if (!want_created && atomic_exchange(&w->woken, 0)) return ETCD_OK;
-        int64_t now = now_ms();
-        if (now >= until) return ETCD_OK;
-        int64_t wait = until - now;
-        if (w->state == W_DOWN) {
-            if (now >= w->retry_at) {
-                if (w->k.user && !w->k.token) {
-                    /* log in again; bounded by the client's timeout */
-                    int64_t dl = now + (w->timeout_ms < wait ? w->timeout_ms : wait);
-                    etcd_err e = conn_authenticate(&w->k, dl);
-                    if (e == ETCD_ERR_AUTH) {
-                        watch_die(w, e);
-                        continue;
-                    }
-                    if (e != ETCD_OK) {
-                        watch_down(w);
-                        continue;
-                    }
-                }
-                etcd_err e = stream_start(w);
-                if (e != ETCD_OK) {
+        if (w->state == W_DOWN && now_ms() >= w->retry_at) {
+            if (w->k.user && !w->k.token) {
+                /* log in again first: a short blocking call, bounded by the
+                 * client's timeout (simpler than driving it through the
+                 * multi handle, which would make it wakeable too) */
+                etcd_err e = conn_authenticate(&w->k, now_ms() + w->timeout_ms);
+                if (e == ETCD_ERR_AUTH || e == ETCD_ERR_TLS || e == ETCD_ERR_NOMEM) {
                     watch_die(w, e);
                     continue;
                 }
-            } else {
-                if (w->retry_at - now < wait) wait = w->retry_at - now;
+                if (e != ETCD_OK) {
+                    watch_down(w);
+                    if (now_ms() >= until) return ETCD_OK;
+                    continue;
+                }
+            }
+            etcd_err e = stream_start(w);
+            if (e != ETCD_OK) {
+                watch_die(w, e);
+                continue;
             }
         }
+        /* at least one pass over the stream, even with no time to wait */
         int running = 0;
         curl_multi_perform(w->multi, &running);
         if (w->stream) split_messages(w);
@@ -1347,7 +1343,13 @@ static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
             }
         }
         if (w->state == W_DEAD || w->nqueue || w->pending != ETCD_OK) continue;
-        if (w->state == W_DOWN && w->retry_at <= now_ms()) continue;
+        int64_t now = now_ms();
+        if (now >= until) return ETCD_OK;
+        int64_t wait = until - now;
+        if (w->state == W_DOWN) {
+            if (w->retry_at <= now) continue;
+            if (w->retry_at - now < wait) wait = w->retry_at - now;
+        }
         int numfds;
         curl_multi_poll(w->multi, NULL, 0, (int)(wait > 1000 ? 1000 : wait), &numfds);
     }

@@ -86,15 +86,27 @@ static void serve(fake_server *s, int fd)
         r = s->script[(size_t)s->requests < s->nscript ? (size_t)s->requests : s->nscript - 1];
     s->requests++;
     snprintf(s->last_body, sizeof(s->last_body), "%s", body);
+    /* a copy: the test may free its reply as soon as the client has read it,
+     * while this thread is still inside send() */
+    char *copy = NULL;
+    if (r.data) {
+        if (!r.len) r.len = strlen(r.data);
+        copy = malloc(r.len);
+        if (!copy) abort();
+        memcpy(copy, r.data, r.len);
+        r.data = copy;
+    }
     pthread_mutex_unlock(&s->mu);
     if (r.silent) {
         /* until the client closes (its deadline) or the test ends */
         char c;
         while (wait_readable(s, fd, 100000) && read(fd, &c, 1) > 0) {
         }
+        free(copy);
         return;
     }
-    if (r.data) write_all(fd, r.data, r.len ? r.len : strlen(r.data));
+    if (r.data) write_all(fd, r.data, r.len);
+    free(copy);
     if (r.hold_ms) {
         char c;
         while (wait_readable(s, fd, r.hold_ms) && read(fd, &c, 1) > 0) {
