@@ -107,7 +107,7 @@ static void *comm_thread(void *arg)
         pthread_mutex_lock(&r->mu);
         if (e != COMM_OK && r->cerr == COMM_OK) {
             r->cerr = e;
-            snprintf(r->err, sizeof(r->err), "all-reduce of bucket %d: %s: %s", r->next,
+            snprintf(r->err, sizeof(r->err), "all-reduce of bucket %d: %s: %.180s", r->next,
                      comm_strerror(e), why[0] ? why : comm_last_error(r->comm));
         }
         r->next++;

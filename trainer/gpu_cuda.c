@@ -274,11 +274,14 @@ void gpu_conv_backward(gpu_ctx *g, float *din, float *dw, float *db, const float
 
 /* ---- attach / detach ---- */
 
+/* Zeroed on the compute stream and waited for: the non-blocking streams do
+ * not order themselves after work on the legacy default stream. */
 static void *dalloc(gpu_ctx *g, size_t bytes)
 {
     void *p = NULL;
     if (!cuda_ok(g, cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc")) return NULL;
-    if (!cuda_ok(g, cudaMemset(p, 0, bytes ? bytes : 1), "cudaMemset")) {
+    if (!cuda_ok(g, cudaMemsetAsync(p, 0, bytes ? bytes : 1, g->compute), "cudaMemset") ||
+        !cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaMemset")) {
         cudaFree(p);
         return NULL;
     }
@@ -343,10 +346,11 @@ int gpu_attach(model *m, int device, char *msg)
     gpu_ctx *g = gpu_ctx_create(device, msg);
     if (!g) return -1;
     if (alloc_mirror(g, m) != 0 ||
-        !cuda_ok(
-            g,
-            cudaMemcpy(g->weights, m->weights, sizeof(float) * m->nfloats, cudaMemcpyHostToDevice),
-            "uploading parameters")) {
+        !cuda_ok(g,
+                 cudaMemcpyAsync(g->weights, m->weights, sizeof(float) * m->nfloats,
+                                 cudaMemcpyHostToDevice, g->compute),
+                 "uploading parameters") ||
+        gpu_sync(g, NULL) != 0) {
         snprintf(msg, 256, "device %d: %.200s", device, g->err);
         gpu_ctx_free(g);
         return -1;
@@ -683,17 +687,21 @@ static void *staged(gpu_ctx *g, void *buf, size_t bytes, comm_err *err)
         }
         g->scratch_bytes = bytes;
     }
-    if (cudaMemcpy(g->scratch, buf, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+    /* On the compute stream and waited for: NCCL's stream knows nothing of it. */
+    if (cudaMemcpyAsync(g->scratch, buf, bytes, cudaMemcpyHostToDevice, g->compute) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(g->compute) != cudaSuccess) {
         *err = COMM_ERR_CUDA;
         return NULL;
     }
     return g->scratch;
 }
 
-static comm_err unstage(void *buf, void *dev, size_t bytes, comm_err err)
+static comm_err unstage(gpu_ctx *g, void *buf, void *dev, size_t bytes, comm_err err)
 {
     if (err == COMM_OK && dev != buf &&
-        cudaMemcpy(buf, dev, bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+        (cudaMemcpyAsync(buf, dev, bytes, cudaMemcpyDeviceToHost, g->compute) != cudaSuccess ||
+         cudaStreamSynchronize(g->compute) != cudaSuccess))
         return COMM_ERR_CUDA;
     return err;
 }
@@ -706,7 +714,7 @@ comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes)
     cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
     void *dev = staged(g, buf, bytes, &err);
     if (err != COMM_OK) return err;
-    return unstage(buf, dev, bytes, comm_broadcast(c, dev, bytes, 0));
+    return unstage(g, buf, dev, bytes, comm_broadcast(c, dev, bytes, 0));
 }
 
 comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n)
@@ -717,5 +725,5 @@ comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n)
     cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
     void *dev = staged(g, buf, sizeof(float) * n, &err);
     if (err != COMM_OK) return err;
-    return unstage(buf, dev, sizeof(float) * n, comm_allreduce_sum_f32(c, dev, n));
+    return unstage(g, buf, dev, sizeof(float) * n, comm_allreduce_sum_f32(c, dev, n));
 }

@@ -55,7 +55,8 @@ static inline void *gpu_test_up(const void *host, size_t bytes)
 {
     void *d = NULL;
     if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess ||
-        (bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess)) {
+        (bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) ||
+        cudaDeviceSynchronize() != cudaSuccess) { /* kernels run on non-blocking streams */
         fprintf(stderr, "cuda: upload of %zu bytes failed\n", bytes);
         exit(1);
     }

@@ -336,7 +336,10 @@ static void test_optim_kind(int kind, const char *name)
     CHECK(gpu_attach(b, 0, msg) == 0, "attach: %s", msg);
     float *grads = rnd(a->nfloats, -1, 1);
     memcpy(a->own_grads, grads, sizeof(float) * a->nfloats);
-    cudaMemcpy(b->own_grads, grads, sizeof(float) * b->nfloats, cudaMemcpyHostToDevice);
+    CHECK(cudaMemcpy(b->own_grads, grads, sizeof(float) * b->nfloats, cudaMemcpyHostToDevice) ==
+                  cudaSuccess &&
+              cudaDeviceSynchronize() == cudaSuccess,
+          "gradient upload");
     for (int step = 0; step < 3; step++) {
         optim_step(oa, a, 0.01f * (step + 1));
         optim_step(ob, b, 0.01f * (step + 1));
