@@ -47,6 +47,15 @@ test: build asan
 test-long: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 3600 -L long
 
+# An unmodified PyTorch DDP script under the agent: torch (several GiB from
+# PyPI) goes into $(ASAN_BUILD)/torch-venv; `make test` skips this test without it.
+.PHONY: test-torch
+test-torch: asan
+	[ -x $(ASAN_BUILD)/torch-venv/bin/python ] || python3 -m venv $(ASAN_BUILD)/torch-venv
+	$(ASAN_BUILD)/torch-venv/bin/python -c 'import torch, numpy' 2>/dev/null || \
+	  $(ASAN_BUILD)/torch-venv/bin/pip install -q torch numpy
+	cd $(ASAN_BUILD) && ctest --output-on-failure --timeout 900 -L torch
+
 demo: build
 	examples/demo.sh $(BUILD)
 

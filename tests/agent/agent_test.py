@@ -57,7 +57,7 @@ def free_port():
 
 
 class Agent:
-    def __init__(self, job, node, flags, env_extra=None):
+    def __init__(self, job, node, flags, env_extra=None, cmd=None):
         self.job, self.node = job, node
         self.out_path = os.path.join(job.dir, "agent.%s.out" % node)
         self.err_path = os.path.join(job.dir, "agent.%s.err" % node)
@@ -65,7 +65,7 @@ class Agent:
         env["AGENT_TEST_DIR"] = job.dir
         env.update(env_extra or {})
         cmd = [ARGS.agent, "--rdzv-endpoint", ETCD, "--rdzv-id", job.name, "--node-id", node,
-               "--node-addr", "127.0.0.1"] + job.flags + flags + ["--", ARGS.worker]
+               "--node-addr", "127.0.0.1"] + job.flags + flags + ["--"] + (cmd or [ARGS.worker])
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.out_path, "w"),
                                      stderr=open(self.err_path, "w"))
         self.started = time.monotonic()
@@ -99,8 +99,8 @@ class Job:
         self.dir = tempfile.mkdtemp(prefix="agent-test-")
         self.agents = []
 
-    def start(self, node, flags=None, env=None):
-        a = Agent(self, node, flags or [], env)
+    def start(self, node, flags=None, env=None, cmd=None):
+        a = Agent(self, node, flags or [], env, cmd)
         self.agents.append(a)
         return a
 
@@ -604,11 +604,73 @@ def case_standalone(job):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+SKIP = 77
+
+
+def torch_python():
+    """The Python with torch installed (make test-torch makes one), or None."""
+    for py in (os.environ.get("DUCTILE_TORCH_PYTHON"), ARGS.torch_python):
+        if py and os.access(py, os.X_OK) and subprocess.run(
+                [py, "-c", "import torch, torch.distributed"], capture_output=True).returncode == 0:
+            return py
+    return None
+
+
+def case_torch_ddp(job):
+    """An unmodified PyTorch DDP script (gloo, env://) under 2 agents in restart
+    mode: it trains; SIGKILL one agent and it restarts at world size 1 and
+    resumes from its own checkpoint."""
+    py = torch_python()
+    if not py:
+        raise Skip("torch is not installed (make test-torch installs it)")
+    job.flags += ["--lease-ttl", "5", "--last-call", "1", "--stop-grace", "3",
+                  "--nnodes", "1:2", "--max-restarts", "3", "--shutdown-timeout", "10"]
+    ckpt = os.path.join(job.dir, "ckpt")
+    os.mkdir(ckpt)
+    total = 150
+    cmd = [py, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_ddp.py"), ckpt,
+           str(total)]
+    a = job.start("node-a", cmd=cmd)
+    b = job.start("node-b", cmd=cmd)
+    progress = os.path.join(ckpt, "progress")
+
+    def lines():
+        try:
+            with open(progress) as f:
+                return [tuple(l.split()) for l in f.read().splitlines()]
+        except FileNotFoundError:
+            return []
+    wait_for(lambda: any(int(s) >= 10 and w == "2" for s, w, _ in lines()), 120,
+             "training at world size 2")
+    b.proc.kill()
+    wait_for(lambda: any(w == "1" for _, w, _ in lines()), 120, "training at world size 1")
+    code = a.wait_exit(180)
+    check(code == 0, "agent a exits 0 when the script completes (exit %d)" % code)
+    ls = lines()
+    two = [int(s) for s, w, _ in ls if w == "2"]
+    one = [(int(s), r) for s, w, r in ls if w == "1"]
+    check(two and one, "trained at world sizes 2 then 1")
+    first_one = one[0][0]
+    check(first_one > 1 and first_one <= max(two) + 1,
+          "resumed from the checkpoint: first step at world 1 is %d, last at world 2 %d" %
+          (first_one, max(two)))
+    check(one[0][1] != "0", "TORCHELASTIC_RESTART_COUNT went up: %r" % (one[0],))
+    check(re.search(r"resumed at step \d+, world size 1", a.out()), "the script says it resumed")
+    with open(os.path.join(ckpt, "done")) as f:
+        step, world, _ = f.read().split()
+    check(int(step) == total and world == "1", "finished all %d steps at world size 1" % total)
+
+
+class Skip(Exception):
+    pass
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
     ap.add_argument("--agent", required=True)
     ap.add_argument("--worker", required=True)
+    ap.add_argument("--torch-python")
     ap.add_argument("case")
     ARGS = ap.parse_args()
     fn = globals().get("case_" + ARGS.case)
@@ -625,8 +687,12 @@ def main():
         ok = True
     except Fail as e:
         print("FAIL %s: %s" % (ARGS.case, e), file=sys.stderr)
+    except Skip as e:
+        print("SKIP %s: %s" % (ARGS.case, e))
+        job.cleanup(keep=False)
+        return SKIP
     finally:
-        job.cleanup(keep=not ok)
+        job.cleanup(keep=not ok or bool(os.environ.get("AGENT_TEST_KEEP")))
     if ok:
         print("ok %s" % ARGS.case)
     return 0 if ok else 1
