@@ -1,9 +1,13 @@
 #!/bin/sh
 # test_gpu_train.sh: ductile-train on the GPU against the CPU, end to end.
-#  - 20 steps of the MLP (SGD) and of the CNN (AdamW) on Fashion-MNIST end
-#    with the CPU run's parameters within 2e-3 (relative L2 and max, as
+#  - 20 steps of the MLP and of the CNN (SGD with momentum) on Fashion-MNIST
+#    end with the CPU run's parameters within 2e-3 (relative L2 and max, as
 #    compare_params measures: cuBLAS and OpenBLAS sum in different orders,
-#    and 20 steps compound it; a wrong kernel is off by far more);
+#    and 20 steps compound it; a wrong kernel is off by far more). AdamW is
+#    not compared this way: it divides by the gradient's own scale, so a
+#    near-zero gradient whose sign rounding flips moves a parameter by a whole
+#    step; its update kernel is compared exactly in gpu_kernels, and here the
+#    CNN trains with it on the GPU and its loss must fall;
 #  - a checkpoint written on the GPU resumes on the CPU, and one written on
 #    the CPU resumes on the GPU, each ending where the uninterrupted run ends
 #    (the checkpoint is the CPU format: parameters are copied to the host
@@ -24,7 +28,7 @@ bad() {
 json() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$@"; }
 TOL=2e-3
 
-for model in "mlp --optimizer sgd" "cnn --optimizer adamw"; do
+for model in "mlp --optimizer sgd" "cnn --optimizer sgd"; do
     name=${model%% *}
     echo "== $name: 20 steps, GPU vs CPU"
     common="--model $model --limit-train 2000 --limit-test 500 --batch-size 32 --max-steps 20 --warmup-steps 5"
@@ -39,8 +43,16 @@ for model in "mlp --optimizer sgd" "cnn --optimizer adamw"; do
         "gpu $(json "$tmp/$name.gpu.json" test_accuracy)"
 done
 
+echo "== cnn with adamw on the GPU: the loss falls"
+T --model cnn --optimizer adamw --device cuda --limit-train 2000 --limit-test 200 --batch-size 32 \
+    --max-steps 40 --warmup-steps 5 >"$tmp/adamw.log" 2>&1 || bad "adamw gpu run exited $?"
+first=$(grep -o 'loss [0-9.]*' "$tmp/adamw.log" | head -1 | cut -d' ' -f2)
+last=$(grep -o 'loss [0-9.]*' "$tmp/adamw.log" | tail -1 | cut -d' ' -f2)
+echo "loss $first -> $last"
+python3 -c "import sys; sys.exit(not ($last < 0.8 * $first))" || bad "adamw loss did not fall: $first -> $last"
+
 echo "== checkpoint: GPU -> CPU and CPU -> GPU"
-common="--model cnn --limit-train 1000 --limit-test 200 --batch-size 32 --epochs 1 --optimizer adamw"
+common="--model cnn --limit-train 1000 --limit-test 200 --batch-size 32 --epochs 1"
 for way in "cuda cpu" "cpu cuda"; do
     first=${way% *}
     second=${way#* }
