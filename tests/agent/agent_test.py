@@ -107,7 +107,7 @@ class Job:
     def workers(self):
         """Every worker that has reported, as dicts of its environment."""
         out = []
-        for name in os.listdir(self.dir):
+        for name in (os.listdir(self.dir) if os.path.isdir(self.dir) else []):
             m = re.fullmatch(r"w\.(\d+)\.env", name)
             if not m:
                 continue
@@ -689,10 +689,11 @@ def main():
         print("FAIL %s: %s" % (ARGS.case, e), file=sys.stderr)
     except Skip as e:
         print("SKIP %s: %s" % (ARGS.case, e))
-        job.cleanup(keep=False)
-        return SKIP
+        ok = None
     finally:
-        job.cleanup(keep=not ok or bool(os.environ.get("AGENT_TEST_KEEP")))
+        job.cleanup(keep=ok is False or bool(os.environ.get("AGENT_TEST_KEEP")))
+    if ok is None:
+        return SKIP
     if ok:
         print("ok %s" % ARGS.case)
     return 0 if ok else 1
