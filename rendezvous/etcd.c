@@ -451,7 +451,7 @@ static etcd_err conn_authenticate(conn *k, int64_t deadline);
 static etcd_err conn_call(conn *k, const char *path, const char *body, size_t limit, int flags,
                           int64_t deadline, buf *ans)
 {
-    int tries = 0, reauthed = 0, answered = 0;
+    int tries = 0, reauthed = 0;
     char last[300] = "no attempt";
     for (;;) {
         if (k->user && !k->token && !(flags & CALL_NO_AUTH)) {
@@ -460,8 +460,9 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
         }
         int64_t left = deadline - now_ms();
         if (left <= 0) {
+            /* every try failed in a way worth retrying: etcd is not there */
             conn_seterr(k, "%s: deadline passed; last: %s", path, last);
-            return answered ? ETCD_ERR_TIMEOUT : ETCD_ERR_UNAVAILABLE;
+            return ETCD_ERR_UNAVAILABLE;
         }
         struct curl_slist *hdrs;
         etcd_err e = conn_setup(k, k->easy, path, &hdrs);
@@ -486,7 +487,6 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
         const char *ep = k->endpoints[k->cur];
         if (cc == CURLE_OK && http == 200) return ETCD_OK;
         if (cc == CURLE_OK) {
-            answered = 1;
             int code;
             char msg[200];
             if (!etcd_parse_error(ans->p ? ans->p : "", ans->len, &code, msg, sizeof(msg))) {
@@ -511,7 +511,10 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
             conn_seterr(k, "%s%s: answer larger than %zu bytes", ep, path, limit);
             return ETCD_ERR_TOO_LARGE;
         }
-        if (cc == CURLE_WRITE_ERROR) return ETCD_ERR_NOMEM;
+        if (cc == CURLE_WRITE_ERROR) {
+            conn_seterr(k, "%s%s: out of memory for the answer", ep, path);
+            return ETCD_ERR_NOMEM;
+        }
         if (is_tls_error(cc, curlerr)) {
             conn_seterr(k, "%s", last);
             return ETCD_ERR_TLS;
@@ -521,13 +524,11 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
         case CURLE_COULDNT_RESOLVE_HOST:
             goto retry;
         case CURLE_OPERATION_TIMEDOUT:
-            if (deadline - now_ms() > 0) goto retry; /* the connect timeout of one endpoint */
             if (sent > 0) {
                 conn_seterr(k, "%s: deadline passed with the request in flight", last);
                 return ETCD_ERR_TIMEOUT;
             }
-            conn_seterr(k, "%s", last);
-            return ETCD_ERR_UNAVAILABLE;
+            goto retry; /* one endpoint's connect timeout, or the deadline (said above) */
         case CURLE_SEND_ERROR:
         case CURLE_RECV_ERROR:
         case CURLE_GOT_NOTHING:

@@ -5,7 +5,10 @@
  * ids) arrive as JSON strings and are parsed as integers, never as doubles.
  * A client holds several endpoints and fails over between them; every call
  * has a deadline, and only transient errors (connection refused or reset,
- * 5xx, "unavailable") are retried, with backoff, until that deadline.
+ * 5xx, "unavailable") are retried, with backoff, until that deadline. A put,
+ * delete or writing txn whose connection broke after it was sent is not sent
+ * again (it may have been applied): it returns ETCD_ERR_UNAVAILABLE and the
+ * caller re-reads before deciding.
  *
  * A client is used by one thread at a time. A watch is its own object with
  * its own connection, so one thread can block on a watch while another uses
