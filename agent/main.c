@@ -523,6 +523,7 @@ typedef struct agent {
     int done;
     int exit_code;
     int signals;
+    unsigned ws_gen; /* bumped when the worker array is replaced or freed */
 } agent;
 
 static void agent_finish(agent *a, int code, const char *how)
@@ -559,6 +560,7 @@ static void start_round(agent *a, rdzv_round *r);
 static void on_workers_gone(agent *a)
 {
     if (a->ws.w) agent_workers_free(&a->ws);
+    a->ws_gen++;
     a->kill_at = a->give_up_at = 0;
     switch (a->state) {
     case AGENT_SHUTDOWN:
@@ -802,6 +804,7 @@ static void start_round(agent *a, rdzv_round *r)
         report_failure(a, msg);
         return;
     }
+    a->ws_gen++;
     a->state = AGENT_RUNNING;
     agent_log(&a->lg, "workers_started", "round %lld: started %d workers, ranks %d..%d",
               (long long)rd->number, a->o->nproc, me->first_global_rank,
@@ -980,6 +983,7 @@ static void on_reaped(agent *a, pid_t pid, int status)
                     agent_log(&a->lg, "finish_failed", "could not mark the job complete: %s",
                               rdzv_strerror(err));
                 agent_workers_free(&a->ws);
+                a->ws_gen++;
                 a->in_round = 0;
                 agent_finish(a, 0, "job complete");
             }
@@ -1088,8 +1092,10 @@ static void run_loop(agent *a)
             break;
         }
         if (got > 0) {
+            unsigned gen = a->ws_gen;
             for (int i = 2; i < n; i++) {
-                if (!pfd[i].revents || !a->ws.w) continue;
+                if (a->ws_gen != gen || !a->ws.w) break; /* owner[] is stale */
+                if (!pfd[i].revents) continue;
                 agent_worker *w = owner[i];
                 if (pfd[i].fd == w->ctl_fd)
                     agent_ctl_read(w, &a->lg, on_ctl, a);
