@@ -148,8 +148,8 @@ typedef struct agent_opt {
 static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_NNODES] = {"nnodes", "DUCTILE_NNODES", "N|MIN:MAX", "1:1",
                     "nodes in the job; the job runs with MIN and grows to MAX"},
-    [OPT_NPROC] = {"nproc-per-node", "DUCTILE_NPROC_PER_NODE", "K", "1",
-                   "workers started on this node"},
+    [OPT_NPROC] = {"nproc-per-node", "DUCTILE_NPROC_PER_NODE", "K|auto|cpu|gpu", "1",
+                   "workers on this node: K, one per GPU, per CPU, or auto (GPUs if any)"},
     [OPT_ENDPOINT] = {"rdzv-endpoint", "DUCTILE_RDZV_ENDPOINT", "URL[,URL...]", NULL,
                       "etcd endpoints (required unless --standalone)"},
     [OPT_ID] = {"rdzv-id", "DUCTILE_RDZV_ID", "JOB", NULL,
@@ -255,6 +255,18 @@ static int node_id_valid(const char *s)
     return 1;
 }
 
+/* GPUs on this node, as the NVIDIA driver's device files show them. */
+static int count_gpus(void)
+{
+    int n = 0;
+    for (int i = 0; i < 64; i++) {
+        char path[32];
+        snprintf(path, sizeof(path), "/dev/nvidia%d", i);
+        if (access(path, F_OK) == 0) n++;
+    }
+    return n;
+}
+
 /* Sets one option from text; on error writes why (without the flag name). */
 static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, size_t len)
 {
@@ -285,10 +297,23 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         snprintf(why, len, "'%s' is not N or MIN:MAX with 1 <= MIN <= MAX <= 100000", v);
         return -1;
     }
-    case OPT_NPROC:
+    case OPT_NPROC: {
+        /* torchrun's names: one worker per GPU, per CPU, or GPUs if any. */
+        int gpus = strcmp(v, "gpu") == 0 || strcmp(v, "auto") == 0 ? count_gpus() : 0;
+        if (strcmp(v, "gpu") == 0 && gpus == 0) {
+            snprintf(why, len, "'gpu' but no GPU (/dev/nvidiaN) is present");
+            return -1;
+        }
+        if (gpus > 0) return o->nproc = gpus, 0;
+        if (strcmp(v, "cpu") == 0 || strcmp(v, "auto") == 0) {
+            long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+            o->nproc = cpus < 1 ? 1 : cpus > 1024 ? 1024 : (int)cpus;
+            return 0;
+        }
         if (parse_int(v, 1, 1024, &o->nproc) == 0) return 0;
-        snprintf(why, len, "'%s' is not a whole number of workers in 1..1024", v);
+        snprintf(why, len, "'%s' is not 1..1024, auto, cpu or gpu", v);
         return -1;
+    }
     case OPT_ENDPOINT:
         if (*v) return o->endpoint = v, 0;
         snprintf(why, len, "must not be empty");

@@ -204,7 +204,7 @@ def case_bad_flags(job):
     bad = [
         ["--nnodes", "x"], ["--nnodes", "3:2"], ["--nnodes", "0"], ["--nnodes", "1:"],
         ["--nnodes", "2:x"], ["--nproc-per-node", "0"], ["--nproc-per-node", "2x"],
-        ["--nproc-per-node", "99999999999999999999"], ["--max-restarts", "-1"],
+        ["--nproc-per-node", "99999999999999999999"], ["--nproc-per-node", "gpus"], ["--max-restarts", "-1"],
         ["--lease-ttl", "1"], ["--lease-ttl", "5.5"], ["--last-call", "abc"],
         ["--join-timeout", "-3"], ["--shutdown-timeout", "nan"], ["--rebuild", "sometimes"],
         ["--log-format", "xml"], ["--http-port", "70000"], ["--rdzv-id", "Bad_Id"],
