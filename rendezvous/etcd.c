@@ -1138,11 +1138,15 @@ static etcd_err stream_start(etcd_watch *w)
     return ETCD_OK;
 }
 
+/* Events of one revision (a txn) share its number and always come in one
+ * message, so what was seen before a resume is told apart by the revision
+ * the stream resumed from, not by the event before. */
 static etcd_err queue_events(etcd_watch *w, etcd_watch_msg *m)
 {
+    int64_t from = w->next_rev;
     for (size_t i = 0; i < m->n; i++) {
         etcd_event *ev = &m->events[i];
-        if (ev->kv.mod_revision < w->next_rev) continue; /* seen before a resume */
+        if (ev->kv.mod_revision < from) continue; /* seen before a resume */
         if (w->nqueue == w->capqueue) {
             size_t cap = w->capqueue ? 2 * w->capqueue : 16;
             etcd_event *q = realloc(w->queue, cap * sizeof(*q));

@@ -237,15 +237,20 @@ static void test_watch(etcd_client *c)
     int64_t delrev;
     CHECK_OK(c, etcd_put(c, "/t/wx", "outside", 7, 0, NULL));
     etcd_txn_result t;
-    etcd_op del = {.type = ETCD_OP_DELETE, .key = "/t/w/00"};
-    CHECK_OK(c, etcd_txn(c, NULL, 0, &del, 1, NULL, 0, &t));
+    /* one txn, three events with the same revision */
+    etcd_op multi[] = {
+        {.type = ETCD_OP_DELETE, .key = "/t/w/00"},
+        {.type = ETCD_OP_PUT, .key = "/t/w/t1", .value = "a", .value_len = 1},
+        {.type = ETCD_OP_PUT, .key = "/t/w/t2", .value = "b", .value_len = 1},
+    };
+    CHECK_OK(c, etcd_txn(c, NULL, 0, multi, 3, NULL, 0, &t));
     delrev = t.revision;
     etcd_txn_result_free(&t);
 
     etcd_err last;
     etcd_event *all;
-    size_t got = test_watch_collect(w, 21, 5000, &all, &last);
-    CHECK(last == ETCD_OK && got == 21);
+    size_t got = test_watch_collect(w, 23, 5000, &all, &last);
+    CHECK(last == ETCD_OK && got == 23);
     for (int i = 0; i < 20; i++) {
         char val[32];
         snprintf(val, sizeof(val), "v%d", i);
@@ -254,6 +259,9 @@ static void test_watch(etcd_client *c)
     }
     CHECK(all[20].type == ETCD_EVENT_DELETE && strcmp(all[20].kv.key, "/t/w/00") == 0);
     CHECK(all[20].kv.mod_revision == delrev);
+    CHECK(all[21].type == ETCD_EVENT_PUT && strcmp(all[21].kv.key, "/t/w/t1") == 0);
+    CHECK(all[22].type == ETCD_EVENT_PUT && strcmp(all[22].kv.key, "/t/w/t2") == 0);
+    CHECK(all[21].kv.mod_revision == delrev && all[22].kv.mod_revision == delrev);
     CHECK(etcd_watch_revision(w) == delrev);
     etcd_events_free(all, got);
 
