@@ -1,0 +1,362 @@
+/* elastic.c: the control-channel thread and the agreement on whose state
+ * the group takes after a rebuild (see elastic.h).
+ *
+ * The thread owns the reading end of the channel: it turns `abort` into a
+ * flag the training loop reads at every step, and, when the step in flight
+ * does not reach its boundary within ELASTIC_GRACE_MS, into comm_abort() on
+ * the communicator the loop attached. `round` lines are kept (the newest
+ * wins) for elastic_wait_round(). All shared fields sit under one mutex;
+ * the communicator is only aborted while attached, and the loop detaches it
+ * before freeing it, so the thread never touches a freed one.
+ */
+#include "elastic.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../agent/control.h"
+
+struct elastic {
+    int fd;
+    pthread_t thread;
+    pthread_mutex_t mu, wmu;
+    pthread_cond_t cv;
+    int quit;
+    int closed;       /* EOF or error on the channel */
+    int inplace;      /* a `round` line was seen */
+    int stop;         /* `stop` received */
+    int64_t current;  /* the round the trainer is in */
+    int64_t ending;   /* newest round told to end (-1: none) */
+    double ending_at; /* when `abort` came */
+    comm *c;          /* communicator to abort, or NULL */
+    int aborted;      /* comm_abort() done on c */
+    int have_next;
+    elastic_round next; /* the newest announced round */
+    char buf[AGENT_CTL_MAX_LINE + 1];
+    size_t nbuf;
+};
+
+const char *elastic_strerror(elastic_err err)
+{
+    switch (err) {
+    case ELASTIC_OK:
+        return "ok";
+    case ELASTIC_ERR_ARG:
+        return "invalid argument";
+    case ELASTIC_ERR_NOMEM:
+        return "out of memory";
+    case ELASTIC_ERR_SYS:
+        return "system call failed";
+    case ELASTIC_ERR_CLOSED:
+        return "the agent closed the control channel";
+    case ELASTIC_ERR_TIMEOUT:
+        return "no new round before the deadline";
+    case ELASTIC_ERR_STOP:
+        return "asked to stop";
+    case ELASTIC_ERR_COMM:
+        return "agreement collective failed";
+    }
+    return "unknown elastic error";
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Under e->mu: one message from the agent. */
+static void on_message(elastic *e, const agent_ctl_msg *m)
+{
+    switch (m->type) {
+    case AGENT_CTL_ROUND:
+        e->inplace = 1;
+        if (m->round <= e->current || (e->have_next && m->round <= e->next.round)) break;
+        e->next.round = m->round;
+        e->next.rank = m->rank;
+        e->next.world = m->world_size;
+        e->next.local_rank = m->local_rank;
+        snprintf(e->next.store_prefix, sizeof(e->next.store_prefix), "%s", m->store_prefix);
+        e->have_next = 1;
+        /* A newer round exists: whatever the current one does is over. */
+        if (e->c && !e->aborted) {
+            comm_abort(e->c);
+            e->aborted = 1;
+        }
+        break;
+    case AGENT_CTL_ABORT:
+        if (m->round > e->ending) {
+            e->ending = m->round;
+            e->ending_at = mono_s();
+        }
+        break;
+    case AGENT_CTL_STOP:
+        e->stop = 1;
+        break;
+    default:
+        break;
+    }
+    pthread_cond_broadcast(&e->cv);
+}
+
+/* Reads what is there; splits lines. Returns -1 on EOF or error. */
+static int read_channel(elastic *e)
+{
+    char chunk[512];
+    ssize_t n = read(e->fd, chunk, sizeof(chunk));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return 0;
+    if (n <= 0) return -1;
+    for (ssize_t i = 0; i < n; i++) {
+        if (chunk[i] != '\n') {
+            if (e->nbuf < AGENT_CTL_MAX_LINE) e->buf[e->nbuf++] = chunk[i];
+            continue;
+        }
+        e->buf[e->nbuf] = 0;
+        agent_ctl_msg m;
+        if (agent_ctl_parse(e->buf, &m) == 0) {
+            pthread_mutex_lock(&e->mu);
+            on_message(e, &m);
+            pthread_mutex_unlock(&e->mu);
+        }
+        e->nbuf = 0;
+    }
+    return 0;
+}
+
+static void *control_thread(void *arg)
+{
+    elastic *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        int quit = e->quit;
+        /* The grace for the step in flight is over: abort under it. */
+        if (e->ending >= e->current && e->c && !e->aborted &&
+            mono_s() - e->ending_at > ELASTIC_GRACE_MS / 1000.0) {
+            comm_abort(e->c);
+            e->aborted = 1;
+        }
+        int closed = e->closed;
+        pthread_mutex_unlock(&e->mu);
+        if (quit || closed) break;
+        struct pollfd p = {.fd = e->fd, .events = POLLIN};
+        int r = poll(&p, 1, 50);
+        if (r > 0 && read_channel(e) != 0) {
+            pthread_mutex_lock(&e->mu);
+            e->closed = 1;
+            /* The agent is gone: nothing will answer a collective now. */
+            if (e->c && !e->aborted) {
+                comm_abort(e->c);
+                e->aborted = 1;
+            }
+            pthread_cond_broadcast(&e->cv);
+            pthread_mutex_unlock(&e->mu);
+        }
+    }
+    return NULL;
+}
+
+elastic_err elastic_open(int fd, int64_t round, elastic **out)
+{
+    *out = NULL;
+    if (fd < 0) return ELASTIC_ERR_ARG;
+    elastic *e = calloc(1, sizeof(*e));
+    if (!e) return ELASTIC_ERR_NOMEM;
+    e->fd = fd;
+    e->current = round;
+    e->ending = -1;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->wmu, NULL);
+    pthread_cond_init(&e->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
+    if (pthread_create(&e->thread, NULL, control_thread, e) != 0) goto err;
+    *out = e;
+    return ELASTIC_OK;
+err:
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->wmu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+    return ELASTIC_ERR_SYS;
+}
+
+void elastic_close(elastic *e)
+{
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    e->quit = 1;
+    pthread_mutex_unlock(&e->mu);
+    pthread_join(e->thread, NULL);
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->wmu);
+    pthread_cond_destroy(&e->cv);
+    close(e->fd);
+    free(e);
+}
+
+void elastic_attach(elastic *e, comm *c, int64_t round)
+{
+    pthread_mutex_lock(&e->mu);
+    e->c = c;
+    e->aborted = 0;
+    e->current = round;
+    /* An `abort` of this round that came before the group formed still
+     * counts (ending >= current); a newer round makes this one moot. */
+    if (c && e->have_next && e->next.round > round) {
+        comm_abort(c);
+        e->aborted = 1;
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+int elastic_inplace(elastic *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int v = e->inplace;
+    pthread_mutex_unlock(&e->mu);
+    return v;
+}
+
+int elastic_ending(elastic *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int v = e->ending >= e->current || e->closed || (e->have_next && e->next.round > e->current);
+    pthread_mutex_unlock(&e->mu);
+    return v;
+}
+
+static void send_line(elastic *e, const agent_ctl_msg *m)
+{
+    char line[AGENT_CTL_MAX_LINE + 1];
+    int n = agent_ctl_format(m, line, sizeof(line));
+    if (n <= 0) return;
+    pthread_mutex_lock(&e->wmu);
+    /* Best effort: a full or closed channel only loses a progress report. */
+    (void)send(e->fd, line, (size_t)n, MSG_DONTWAIT | MSG_NOSIGNAL);
+    pthread_mutex_unlock(&e->wmu);
+}
+
+void elastic_report_step(elastic *e, int64_t step)
+{
+    agent_ctl_msg m = {.type = AGENT_CTL_STEP, .step = step};
+    send_line(e, &m);
+}
+
+void elastic_report_failed(elastic *e, const char *why)
+{
+    agent_ctl_msg m = {.type = AGENT_CTL_FAILED};
+    snprintf(m.reason, sizeof(m.reason), "%s", why);
+    for (char *p = m.reason; *p; p++)
+        if (*p == '\n' || *p == '\r') *p = ' ';
+    send_line(e, &m);
+}
+
+elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int timeout_ms,
+                               elastic_round *out)
+{
+    double deadline = mono_s() + timeout_ms / 1000.0;
+    elastic_err err = ELASTIC_OK;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        if (e->have_next && e->next.round > e->current) {
+            *out = e->next;
+            break;
+        }
+        if (e->stop || (stop && *stop)) {
+            err = ELASTIC_ERR_STOP;
+            break;
+        }
+        if (e->closed) {
+            err = ELASTIC_ERR_CLOSED;
+            break;
+        }
+        if (mono_s() >= deadline) {
+            err = ELASTIC_ERR_TIMEOUT;
+            break;
+        }
+        /* Short slices: a signal sets *stop without waking the condition. */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += 50 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return err;
+}
+
+/* a is newer than b: has state first, then round, then step. */
+static int claim_newer(const elastic_claim *a, const elastic_claim *b)
+{
+    if (a->has_state != b->has_state) return a->has_state > b->has_state;
+    if (a->round != b->round) return a->round > b->round;
+    return a->step > b->step;
+}
+
+elastic_err elastic_agree(comm *c, const elastic_claim *mine, int *root, elastic_claim *best)
+{
+    int world = comm_world_size(c);
+    elastic_claim *all = calloc((size_t)world, sizeof(*all));
+    if (!all) return ELASTIC_ERR_NOMEM;
+    if (comm_allgather(c, mine, sizeof(*mine), all) != COMM_OK) {
+        free(all);
+        return ELASTIC_ERR_COMM;
+    }
+    int r = 0;
+    for (int i = 1; i < world; i++)
+        if (claim_newer(&all[i], &all[r])) r = i;
+    *root = r;
+    *best = all[r];
+    free(all);
+    return ELASTIC_OK;
+}
+
+elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, int cuda,
+                            rdzv_store **store, comm **c, char *msg)
+{
+    *store = NULL;
+    *c = NULL;
+    msg[0] = 0;
+    if (rd->world == 1) return ELASTIC_OK;
+    const char *endpoints = getenv("DUCTILE_ETCD_ENDPOINTS"), *job = getenv("DUCTILE_JOB");
+    if (!endpoints || !job) {
+        snprintf(msg, 256, "DUCTILE_ETCD_ENDPOINTS and DUCTILE_JOB must be set");
+        return ELASTIC_ERR_ARG;
+    }
+    rdzv_etcd etcd = {.endpoints = endpoints};
+    rdzv_err re = rdzv_store_open(&etcd, job, rd->round, store);
+    if (re != RDZV_OK) {
+        snprintf(msg, 256, "round %lld store: %s", (long long)rd->round, rdzv_strerror(re));
+        return ELASTIC_ERR_COMM;
+    }
+    comm_config cc = *base;
+    cc.rank = rd->rank;
+    cc.world_size = rd->world;
+    cc.store = *store;
+    comm_err ce = cuda ? comm_nccl_init(&cc, c) : comm_ring_init(&cc, c);
+    if (ce != COMM_OK) {
+        snprintf(msg, 256, "round %lld: building the %s: %s: %s", (long long)rd->round,
+                 cuda ? "NCCL communicator" : "ring", comm_strerror(ce),
+                 rdzv_store_last_error(*store));
+        rdzv_store_close(*store);
+        *store = NULL;
+        *c = NULL;
+        return ELASTIC_ERR_COMM;
+    }
+    return ELASTIC_OK;
+}
