@@ -132,8 +132,8 @@ static void usage(FILE *f)
         "  --log-every N          steps between log lines (100)\n"
         "  --host ADDR            address the ring listens on and publishes (127.0.0.1)\n"
         "  --comm-timeout-ms MS   deadline for a silent peer (30000)\n"
-        "  --device auto|cpu|cuda where to train; auto: CUDA when a device is present,\n"
-        "                         the device LOCAL_RANK modulo the device count (auto)\n"
+        "  --device auto|cpu|cuda where to train, on GPU number LOCAL_RANK; auto: CUDA when\n"
+        "                         there is a GPU for each of LOCAL_WORLD_SIZE ranks (auto)\n"
         "Every option can also be set as DUCTILE_TRAIN_<NAME> (--batch-size: "
         "DUCTILE_TRAIN_BATCH_SIZE).\n"
         "Under ductile-agent: RANK, WORLD_SIZE, LOCAL_RANK, DUCTILE_ETCD_ENDPOINTS,\n"
@@ -715,22 +715,24 @@ static int trainer_setup(trainer *t)
     return 0;
 }
 
-/* --device: auto is CUDA when a device is present; the ordinal is LOCAL_RANK
- * modulo the device count (one trainer per GPU under ductile-agent). */
+/* --device: the trainer on this node's LOCAL_RANK-th GPU. auto is CUDA when
+ * every local rank can have a device of its own (NCCL cannot put two ranks
+ * of one communicator on one GPU), else the CPU. */
 static int pick_device(options *o)
 {
     char why[256];
-    long long local;
+    long long local, lws;
     if (o->device == DEVICE_CPU) return 0;
     int n = gpu_device_count(why);
-    if (n == 0) {
-        if (o->device == DEVICE_CUDA) return fail("--device cuda: %s", why);
-        o->device = DEVICE_CPU;
-        return 0;
-    }
-    if (env_int("LOCAL_RANK", 0, 65535, 0, &local) != 0) return -1;
-    o->device = DEVICE_CUDA;
-    o->gpu = (int)(local % n);
+    if (env_int("LOCAL_WORLD_SIZE", 1, 65536, 1, &lws) != 0 ||
+        env_int("LOCAL_RANK", 0, lws - 1, 0, &local) != 0)
+        return -1;
+    if (n == 0 && o->device == DEVICE_CUDA) return fail("--device cuda: %s", why);
+    if (n < lws && o->device == DEVICE_CUDA)
+        return fail("--device cuda: %lld local ranks but %d CUDA devices (one each needed)", lws,
+                    n);
+    o->device = n >= lws ? DEVICE_CUDA : DEVICE_CPU;
+    o->gpu = (int)local;
     return 0;
 }
 
