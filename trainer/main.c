@@ -445,6 +445,8 @@ typedef struct trainer {
     int64_t start_step, start_samples;
     double loss_sum;     /* since the last log line */
     double eval_seconds; /* spent evaluating, left out of samples/s */
+    double logged_at;    /* time and sample count of the last log line */
+    int64_t logged_samples;
     int loss_n;
     char *records; /* sample records not yet committed */
     size_t nrecords, caprecords;
@@ -665,7 +667,8 @@ static int resume_and_sync(trainer *t)
     t->st = st;
     t->opt->t = st.optim_t;
     t->start_step = st.step;
-    t->start_samples = st.samples;
+    t->start_samples = t->logged_samples = st.samples;
+    t->logged_at = now_s();
     return 0;
 }
 
@@ -809,6 +812,27 @@ static int blas_threads(const options *o, const group *g)
     return n > 0 ? n : 1;
 }
 
+/* Every --log-every steps: rank 0's loss and the global samples/s since the last line. */
+static void log_progress(trainer *t)
+{
+    if (t->st.step % t->o.log_every != 0) return;
+    double now = now_s();
+    say(t, "step %lld epoch %lld loss %.4f samples/s %.0f", (long long)t->st.step,
+        (long long)t->st.epoch, t->loss_sum / t->loss_n,
+        (t->st.samples - t->logged_samples) / (now - t->logged_at));
+    t->loss_sum = t->loss_n = 0;
+    t->logged_at = now;
+    t->logged_samples = t->st.samples;
+}
+
+/* Why every rank agreed to stop after this step. */
+static const char *stop_reason(const trainer *t)
+{
+    if (stop_signal) return "signal";
+    if (t->o.max_steps && t->st.step >= t->o.max_steps) return "max_steps";
+    return "peer"; /* another rank asked everyone to stop */
+}
+
 int main(int argc, char **argv)
 {
     static trainer t;
@@ -831,43 +855,27 @@ int main(int argc, char **argv)
         t.m->nfloats, ddp_bucket_count(t.r), t.train.n, t.g.world, (long long)t.g.round,
         t.m->dev ? "cuda" : "cpu");
 
-    double t0 = now_s(), tlog = t0, acc = 0;
-    int64_t logged = t.st.samples, evaluated = -1;
+    double t0 = now_s(), acc = 0;
+    int64_t evaluated = -1;
     const char *why = "epochs";
     int stop = t.st.epoch >= t.o.epochs, failed = 0;
-    while (!stop) {
+    while (!stop && !failed) {
         int epoch_ended = 0;
         int want = stop_signal != 0 || (t.o.max_steps && t.st.step + 1 >= t.o.max_steps);
         if (train_step(&t, want, &stop, &epoch_ended) != 0) {
             failed = 1;
             break;
         }
-        if (t.st.step % t.o.log_every == 0) {
-            double now = now_s();
-            say(&t, "step %lld epoch %lld loss %.4f samples/s %.0f", (long long)t.st.step,
-                (long long)t.st.epoch, t.loss_sum / t.loss_n,
-                (t.st.samples - logged) / (now - tlog));
-            t.loss_sum = t.loss_n = 0;
-            tlog = now;
-            logged = t.st.samples;
-        }
+        log_progress(&t);
         if (epoch_ended) {
-            if (evaluate(&t, &acc) != 0) {
-                failed = 1;
-                break;
-            }
+            failed = evaluate(&t, &acc) != 0;
             evaluated = t.st.step;
             say(&t, "epoch %lld test_accuracy %.4f at %.1f s", (long long)t.st.epoch, acc,
                 now_s() - t0);
         }
-        if (stop && stop_signal)
-            why = "signal";
-        else if (stop && t.o.max_steps && t.st.step >= t.o.max_steps)
-            why = "max_steps";
-        else if (stop)
-            why = "peer"; /* another rank asked everyone to stop */
+        if (stop) why = stop_reason(&t);
         stop = stop || t.st.epoch >= t.o.epochs;
-        if (t.o.checkpoint_every && t.st.step % t.o.checkpoint_every == 0 && !stop)
+        if (t.o.checkpoint_every && t.st.step % t.o.checkpoint_every == 0 && !stop && !failed)
             save_checkpoint(&t);
     }
     if (!failed && evaluated != t.st.step && evaluate(&t, &acc) != 0) failed = 1;
