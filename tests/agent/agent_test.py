@@ -244,8 +244,10 @@ def case_env_and_finish(job):
     job.flags += FAST + ["--nnodes", "3", "--nproc-per-node", "2", "--max-restarts", "7"]
     a = job.start("node-a")
     b = job.start("node-b", env={"OMP_NUM_THREADS": "4"})
-    c = job.start("node-c")
+    # Flags from DUCTILE_* variables; the command line wins over them.
+    c = job.start("node-c", env={"DUCTILE_LOG_FORMAT": "json", "DUCTILE_NPROC_PER_NODE": "5"})
     rnd = job.wait_round(6, 60)
+    check(json.loads(c.log().splitlines()[0])["node"] == "node-c", "DUCTILE_LOG_FORMAT=json")
     ws = job.round_workers(rnd)
     check(sorted(int(w["RANK"]) for w in ws) == list(range(6)), "ranks 0..5")
     ports = {w["MASTER_PORT"] for w in ws}
@@ -275,7 +277,7 @@ def case_env_and_finish(job):
     # Output is passed through with the global rank.
     wait_for(lambda: all("[%d] hello from rank %d" % (int(w["RANK"]), int(w["RANK"]))
                          in (a.out() + b.out() + c.out()) for w in ws), 10, "[rank] output")
-    check("[0] stderr of rank 0" in a.log() + b.log() + c.log(), "[rank] stderr")
+    wait_for(lambda: "[0] stderr of rank 0" in a.log() + b.log() + c.log(), 10, "[rank] stderr")
     # All workers exit 0: the job is complete and every agent exits 0.
     job.command("all", "exit 0")
     for ag in (a, b, c):
