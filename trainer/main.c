@@ -34,6 +34,7 @@
 #include "comm.h"
 #include "data.h"
 #include "ddp.h"
+#include "elastic.h"
 #include "gpu.h"
 #include "model.h"
 #include "optim.h"
@@ -450,6 +451,9 @@ typedef struct trainer {
     int loss_n;
     char *records; /* sample records not yet committed */
     size_t nrecords, caprecords;
+    elastic *el;         /* under ductile-agent: its control channel (elastic.c) */
+    int has_state;       /* trained, synced or resumed: a claim in the agreement */
+    int64_t state_round; /* the round that state was made in */
 } trainer;
 
 static double now_s(void)
@@ -504,9 +508,15 @@ static int record_samples(trainer *t, const int32_t *ids, int count)
             t->records = grown;
             t->caprecords = cap;
         }
+        /* Under an agent a fifth field, the round, tells which records a
+         * later round's restart point voided (tests/e2e/accounting.py). */
         t->nrecords +=
-            (size_t)snprintf(t->records + t->nrecords, 96, "%lld %d %lld %d\n",
-                             (long long)t->st.epoch, ids[i], (long long)t->st.step, t->g.rank);
+            (size_t)(t->el ? snprintf(t->records + t->nrecords, 96, "%lld %d %lld %d %lld\n",
+                                      (long long)t->st.epoch, ids[i], (long long)t->st.step,
+                                      t->g.rank, (long long)t->g.round)
+                           : snprintf(t->records + t->nrecords, 96, "%lld %d %lld %d\n",
+                                      (long long)t->st.epoch, ids[i], (long long)t->st.step,
+                                      t->g.rank));
     }
     return 0;
 }
@@ -548,6 +558,11 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
         const int32_t *perm = epoch_perm(t);
         int gb =
             data_shard(t->train.n, t->st.pos, t->g.world, t->o.batch, t->g.rank, &start, &count);
+        /* Recorded before any gradient leaves: under an agent the records go
+         * to the file at once, so a step that completes on other ranks after
+         * this one died still has this rank's share on file. */
+        if (record_samples(t, perm + start, count) != 0) return -1;
+        if (t->el) commit_records(t);
         ddp_begin(t->r, a == t->o.accumulate - 1, want_stop);
         if (count > 0) {
             data_gather(&t->train, perm + start, count, t->m->x, t->m->y);
@@ -559,7 +574,6 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
             for (int i = t->m->nparams - 1; i >= 0; i--) /* nothing to add: still ready */
                 ddp_mark_ready(t->r, i);
         }
-        if (record_samples(t, perm + start, count) != 0) return -1;
         t->st.samples += gb;
         t->st.pos += gb;
         if (t->st.pos == t->train.n) {
@@ -636,12 +650,43 @@ static void save_checkpoint(trainer *t)
     commit_records(t);
 }
 
+/* Under an agent (elastic mode) every rank claims (has state, the round it
+ * was made in, steps done) and the newest claim's rank sends the position,
+ * parameters and optimizer state to all: survivors of a rebuild, newcomers
+ * and a rank 0 that resumed from a checkpoint agree the same way. */
+static int agree_state(trainer *t)
+{
+    char msg[256];
+    if (t->g.comm) {
+        elastic_claim mine = {t->has_state, t->state_round, t->st.step}, best;
+        int root = 0;
+        if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0)
+            return fail("rank %d: %s", t->g.rank, msg);
+        t->st.optim_t = t->opt->t;
+        size_t nopt = sizeof(float) * t->opt->n * t->opt->nstate;
+        if (elastic_agree(t->g.comm, &mine, &root, &best) != ELASTIC_OK ||
+            comm_broadcast(t->g.comm, &t->st, sizeof(t->st), root) != COMM_OK ||
+            comm_broadcast(t->g.comm, t->m->weights, sizeof(float) * t->m->nfloats, root) !=
+                COMM_OK ||
+            comm_broadcast(t->g.comm, t->opt->state, nopt, root) != COMM_OK)
+            return fail("rank %d: agreeing on the group's state: %s", t->g.rank,
+                        comm_last_error(t->g.comm));
+        t->opt->t = t->st.optim_t;
+        say(t, "round %lld: state of rank %d (round %lld, step %lld) to %d ranks",
+            (long long)t->g.round, root, (long long)best.round, (long long)best.step, t->g.world);
+    }
+    t->st.round = t->g.round;
+    t->has_state = 1;
+    t->state_round = t->g.round;
+    return 0;
+}
+
 /* Rank 0 resumes from the newest usable checkpoint (if any); then parameters,
  * optimizer state and position go from rank 0 to everyone. */
 static int resume_and_sync(trainer *t)
 {
     char path[4096], msg[256];
-    if (t->g.rank == 0 && t->o.checkpoint_dir) {
+    if (t->g.rank == 0 && t->o.checkpoint_dir && !t->has_state) {
         ckpt_state want = t->st, got;
         ckpt_err e = ckpt_load(t->o.checkpoint_dir, &want, &got, t->m->weights, t->m->nfloats,
                                t->opt->state, t->opt->n * t->opt->nstate, path, msg);
@@ -650,6 +695,8 @@ static int resume_and_sync(trainer *t)
             t->st = got;
             t->st.round = round;
             t->opt->t = got.optim_t;
+            t->has_state = 1;
+            t->state_round = got.round;
             say(t, "resumed from %s (round %lld): step %lld, epoch %lld, position %lld", path,
                 (long long)got.round, (long long)got.step, (long long)got.epoch,
                 (long long)got.pos);
@@ -657,6 +704,7 @@ static int resume_and_sync(trainer *t)
             fprintf(stderr, "ductile-train: %s; starting from scratch\n", msg);
         }
     }
+    if (t->el && agree_state(t) != 0) return -1;
     t->st.optim_t = t->opt->t;
     ckpt_state st = t->st;
     if (ddp_broadcast(t->r, &st, sizeof(st)) != DDP_OK ||
@@ -794,6 +842,7 @@ static void dump_params(trainer *t)
 
 static void trainer_free(trainer *t)
 {
+    elastic_close(t->el); /* first: its thread may abort the communicator */
     ddp_reducer_free(t->r);
     optim_free(t->opt);
     model_free(t->m);
@@ -833,6 +882,93 @@ static const char *stop_reason(const trainer *t)
     return "peer"; /* another rank asked everyone to stop */
 }
 
+/* ---- in-place rebuilds (elastic mode, under ductile-agent) ---- */
+
+/* Under an agent: the control channel, whatever the rebuild mode. */
+static int elastic_start(trainer *t)
+{
+    long long fd;
+    if (!getenv("DUCTILE_CONTROL_FD")) return 0;
+    if (env_int("DUCTILE_CONTROL_FD", 0, INT_MAX, 0, &fd) != 0) return -1;
+    elastic_err e = elastic_open((int)fd, t->g.round, &t->el);
+    if (e != ELASTIC_OK) return fail("control channel fd %lld: %s", fd, elastic_strerror(e));
+    elastic_attach(t->el, t->g.comm, t->g.round);
+    return 0;
+}
+
+/* Drops the group, waits for the agent's next round, builds its ring and
+ * takes the group's newest state; the partial step was already discarded.
+ * A stop while waiting exits 0 without saving (the round is over: a
+ * checkpoint now would be the old round's); an error exits 1 and the agent
+ * starts a fresh process, which gets the state from the survivors. */
+static void trainer_regroup(trainer *t, const char *why)
+{
+    char msg[256];
+    int64_t start_step = t->start_step, start_samples = t->start_samples;
+    if (!elastic_ending(t->el) && strcmp(why, "boundary") != 0) elastic_report_failed(t->el, why);
+    for (;;) {
+        elastic_attach(t->el, NULL, t->g.round);
+        ddp_reducer_free(t->r);
+        t->r = NULL;
+        group_leave(&t->g);
+        t->g.comm = NULL;
+        t->g.store = NULL;
+        elastic_round rd;
+        elastic_err e = elastic_wait_round(t->el, &stop_signal, ELASTIC_WAIT_MS, &rd);
+        if (e != ELASTIC_OK) {
+            if (e != ELASTIC_ERR_STOP)
+                fail("rank %d: after round %lld: %s", t->g.rank, (long long)t->g.round,
+                     elastic_strerror(e));
+            trainer_free(t);
+            exit(e == ELASTIC_ERR_STOP ? 0 : 1);
+        }
+        t->g.rank = rd.rank;
+        t->g.world = rd.world;
+        t->g.round = rd.round;
+        comm_config cc = {
+            .host = t->o.host, .timeout_ms = t->o.comm_timeout_ms, .device = t->o.gpu};
+        if (elastic_connect(&rd, &cc, t->o.device == DEVICE_CUDA, &t->g.store, &t->g.comm, msg) !=
+            ELASTIC_OK) {
+            fail("rank %d: %s; waiting for the next round", t->g.rank, msg);
+            continue;
+        }
+        elastic_attach(t->el, t->g.comm, t->g.round);
+        if (ddp_reducer_create(t->m, t->g.comm, (size_t)(t->o.bucket_cap_mb * 1048576.0),
+                               t->o.overlap, &t->r) != DDP_OK) {
+            fail("rank %d: reducer: out of memory", t->g.rank);
+            trainer_free(t);
+            exit(1);
+        }
+        if (resume_and_sync(t) != 0) continue;
+        if (t->m->dev && gpu_upload(t->m, t->opt, msg) != 0) {
+            fail("--device cuda: %s", msg);
+            trainer_free(t);
+            exit(1);
+        }
+        t->start_step = start_step;
+        t->start_samples = start_samples;
+        say(t, "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld",
+            (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch);
+        return;
+    }
+}
+
+/* Elastic mode, after a step every rank agreed to stop after: at the job's
+ * end, or for a rank asked to leave (it goes without evaluating: the
+ * others carry on), 0; otherwise the round ends at this step boundary (a
+ * peer leaves or a node joins): checkpoint, rebuild, 1. */
+static int trainer_boundary(trainer *t, int64_t *evaluated)
+{
+    if (t->st.epoch >= t->o.epochs || (t->o.max_steps && t->st.step >= t->o.max_steps)) return 0;
+    if (stop_signal) {
+        *evaluated = t->st.step;
+        return 0;
+    }
+    save_checkpoint(t);
+    trainer_regroup(t, "boundary");
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     static trainer t;
@@ -844,7 +980,7 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     signal(SIGTERM, on_signal);
     signal(SIGINT, on_signal);
-    if (pick_device(&t.o) != 0 || group_join(&t.g, &t.o) != 0 ||
+    if (pick_device(&t.o) != 0 || group_join(&t.g, &t.o) != 0 || elastic_start(&t) != 0 ||
         (openblas_set_num_threads(blas_threads(&t.o, &t.g)), 0) || trainer_setup(&t) != 0) {
         trainer_free(&t);
         return 1;
@@ -862,7 +998,14 @@ int main(int argc, char **argv)
     while (!stop && !failed) {
         int epoch_ended = 0;
         int want = stop_signal != 0 || (t.o.max_steps && t.st.step + 1 >= t.o.max_steps);
+        if (t.el && elastic_ending(t.el)) want = 1; /* the round ends after this step */
+        ckpt_state before = t.st;
         if (train_step(&t, want, &stop, &epoch_ended) != 0) {
+            if (t.el) { /* discard the partial step, rebuild, go on */
+                t.st = before;
+                trainer_regroup(&t, "a step failed");
+                continue;
+            }
             failed = 1;
             break;
         }
@@ -874,6 +1017,10 @@ int main(int argc, char **argv)
                 now_s() - t0);
         }
         if (stop) why = stop_reason(&t);
+        if (stop && t.el && trainer_boundary(&t, &evaluated)) {
+            stop = 0;
+            continue;
+        }
         stop = stop || t.st.epoch >= t.o.epochs;
         if (t.o.checkpoint_every && t.st.step % t.o.checkpoint_every == 0 && !stop && !failed)
             save_checkpoint(&t);
