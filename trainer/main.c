@@ -775,10 +775,14 @@ static int pick_device(options *o)
     long long local, lws;
     if (o->device == DEVICE_CPU) return 0;
     int n = gpu_device_count(why);
+    if (n == 0 && o->device == DEVICE_CUDA) return fail("--device cuda: %s", why);
+    if (n == 0) {
+        o->device = DEVICE_CPU;
+        return 0;
+    }
     if (env_int("LOCAL_WORLD_SIZE", 1, 65536, 1, &lws) != 0 ||
         env_int("LOCAL_RANK", 0, lws - 1, 0, &local) != 0)
         return -1;
-    if (n == 0 && o->device == DEVICE_CUDA) return fail("--device cuda: %s", why);
     if (n < lws && o->device == DEVICE_CUDA)
         return fail("--device cuda: %lld local ranks but %d CUDA devices (one each needed)", lws,
                     n);
