@@ -1,0 +1,637 @@
+#!/usr/bin/env python3
+"""e2e.py: elastic training end to end, the fault matrix as tests.
+
+Real processes on 127.0.0.1: a private etcd started here (so it can be
+restarted, stopped with SIGSTOP, or reached through a network namespace),
+3 or 4 ductile-agents, each running one ductile-train (MLP, a 6000-sample
+subset of Fashion-MNIST, the full 10k test set, a fixed seed). Each scenario
+injects its fault while training runs, then checks:
+  - the job finishes (every agent exits 0, except the ones the scenario
+    killed or which must fail on purpose);
+  - sample accounting: every rank records (epoch, sample, step, rank, round)
+    before its gradients leave; a record counts when no later round restarted
+    at or before its step (a later round's first step is where it took the
+    state from); the counted records of each epoch are the data set exactly
+    once;
+  - the final test accuracy is within 0.5 points of an uninterrupted run
+    (computed once per invocation, same subset, seed and starting size).
+
+usage: e2e.py --agent A --train T [--data DIR] [--seed S] SCENARIO... | all | core
+Exit 0 when every scenario passes, 77 when all were skipped, else 1.
+"""
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+TRAIN_N = 6000
+EPOCHS = 6
+BATCH = 64
+ACC_TOL = 0.005
+
+
+def log(*a):
+    print("[e2e %6.1f]" % (time.monotonic() - T0), *a, flush=True)
+
+
+T0 = time.monotonic()
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Skip(Exception):
+    pass
+
+
+class Fail(Exception):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Fail(what)
+
+
+def wait_for(pred, timeout, what, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise Fail("timed out after %.0f s waiting for %s" % (timeout, what))
+
+
+class Etcd:
+    """A private etcd; host is where it listens (127.0.0.1, or also a veth address)."""
+
+    def __init__(self, workdir, hosts=("127.0.0.1",), netns=None):
+        self.dir = os.path.join(workdir, "etcd")
+        self.hosts = hosts
+        self.port = free_port()
+        self.peer = free_port()
+        self.proc = None
+        self.logf = os.path.join(workdir, "etcd.log")
+
+    @property
+    def endpoint(self):
+        return "http://127.0.0.1:%d" % self.port
+
+    def start(self):
+        clients = ",".join("http://%s:%d" % (h, self.port) for h in self.hosts)
+        peer = "http://127.0.0.1:%d" % self.peer
+        out = open(self.logf, "a")
+        self.proc = subprocess.Popen(
+            ["etcd", "--name", "e", "--data-dir", self.dir, "--listen-client-urls", clients,
+             "--advertise-client-urls", clients, "--listen-peer-urls", peer,
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", "e=" + peer,
+             "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn"],
+            stdout=out, stderr=out)
+        out.close()
+
+        def up():
+            try:
+                s = socket.create_connection(("127.0.0.1", self.port), 0.2)
+                s.close()
+                return True
+            except OSError:
+                return False
+        wait_for(up, 20, "etcd to listen")
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Agent:
+    def __init__(self, job, name, cmd, logdir):
+        self.name = name
+        self.logf = os.path.join(logdir, "agent-%s.log" % name)
+        out = open(self.logf, "a")
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        out.close()
+        self.killed = False
+
+    def text(self):
+        try:
+            with open(self.logf, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def workers(self):
+        try:
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
+                                 capture_output=True, text=True).stdout
+        except OSError:
+            return []
+        return [int(x) for x in out.split()]
+
+    def signal(self, sig):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill_tree(self):
+        """SIGKILL the agent and its workers at once: a pod crash."""
+        pids = self.workers()
+        self.signal(signal.SIGKILL)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.killed = True
+        self.proc.wait()
+
+
+class Job:
+    """One training job: etcd, agents, the shared record file and checkpoint dir."""
+
+    def __init__(self, env, name, mode, nnodes="3:4", epochs=EPOCHS, etcd=None, extra=()):
+        self.env = env
+        self.name = name
+        self.mode = mode
+        self.dir = tempfile.mkdtemp(prefix="e2e-%s-" % name, dir=env.workdir)
+        self.job = re.sub(r"[^a-z0-9-]", "-", name.lower())[:40]
+        self.nnodes = nnodes
+        self.epochs = epochs
+        self.etcd = etcd or Etcd(self.dir)
+        self.own_etcd = etcd is None
+        if self.own_etcd:
+            self.etcd.start()
+        self.rec = os.path.join(self.dir, "records")
+        self.ck = os.path.join(self.dir, "ckpt")
+        self.summary = os.path.join(self.dir, "summary.json")
+        self.agents = {}
+        self.extra = list(extra)
+        self.count = 0
+
+    def train_args(self, ckpt=None):
+        return [self.env.train, "--data", self.env.data, "--model", "mlp",
+                "--limit-train", str(TRAIN_N), "--epochs", str(self.epochs),
+                "--batch-size", str(BATCH), "--seed", str(self.env.seed), "--threads", "1",
+                "--log-every", "5", "--record-samples", self.rec,
+                "--checkpoint-dir", ckpt or self.ck, "--checkpoint-every", "10",
+                "--comm-timeout-ms", "8000", "--summary", self.summary] + self.extra
+
+    def start(self, name=None, node_id=None, endpoint=None, prefix=(), ckpt=None, nnodes=None):
+        self.count += 1
+        name = name or "n%d" % self.count
+        cmd = list(prefix) + [
+            self.env.agent, "--nnodes", nnodes or self.nnodes,
+            "--rdzv-endpoint", endpoint or self.etcd.endpoint, "--rdzv-id", self.job,
+            "--node-id", node_id or name, "--node-addr", "127.0.0.1", "--lease-ttl", "3",
+            "--last-call", "1", "--rebuild", self.mode, "--max-restarts", "1000",
+            "--stop-grace", "3", "--shutdown-timeout", "20", "--"] + self.train_args(ckpt)
+        a = Agent(self.job, name, cmd, self.dir)
+        self.agents[name] = a
+        return a
+
+    def steps(self):
+        """The newest step any rank 0 logged (log lines of all agents)."""
+        best = -1
+        for a in self.agents.values():
+            for m in re.finditer(r"ductile-train: step (\d+) ", a.text()):
+                best = max(best, int(m.group(1)))
+        return best
+
+    def wait_step(self, n, timeout=240):
+        wait_for(lambda: self.steps() >= n, timeout, "step %d" % n)
+
+    def wait_round(self, agent, world, timeout=120):
+        """Until agent logged a frozen round of `world` nodes after now."""
+        start = len(agent.text())
+
+        def seen():
+            t = agent.text()[start:]
+            return re.search(r"frozen: %d nodes" % world, t)
+        wait_for(seen, timeout, "a round of %d nodes on %s" % (world, agent.name))
+
+    def finish(self, timeout=300, expect_fail=()):
+        deadline = time.monotonic() + timeout
+        for name, a in self.agents.items():
+            if a.killed:
+                continue
+            left = deadline - time.monotonic()
+            try:
+                a.proc.wait(max(left, 1))
+            except subprocess.TimeoutExpired:
+                self.cleanup()
+                raise Fail("agent %s did not finish within %d s" % (name, timeout))
+            if name in expect_fail:
+                continue
+            if a.proc.returncode != 0:
+                raise Fail("agent %s exited %d: %s" % (name, a.proc.returncode,
+                                                      tail(a.text())))
+
+    def cleanup(self):
+        for a in self.agents.values():
+            if a.proc.poll() is None:
+                a.kill_tree()
+        if self.own_etcd:
+            self.etcd.stop()
+
+    def accuracy(self):
+        check(os.path.exists(self.summary), "no summary written")
+        with open(self.summary) as f:
+            s = json.load(f)
+        check(s.get("stopped_by") == "epochs", "stopped by %s" % s.get("stopped_by"))
+        return s["test_accuracy"]
+
+
+def tail(text, n=15):
+    return "\n".join(text.splitlines()[-n:])
+
+
+def accounting(rec, n, epochs):
+    """Checks every epoch's counted records are the data set exactly once."""
+    rows = []
+    with open(rec) as f:
+        for line in f:
+            w = line.split()
+            check(len(w) == 5, "record line without a round: %r" % line)
+            rows.append(tuple(int(x) for x in w))
+    first = {}
+    for e, s, step, r, rnd in rows:
+        first[rnd] = min(first.get(rnd, step), step)
+    rounds = sorted(first)
+    cutoff = {}
+    later = float("inf")
+    for rnd in reversed(rounds):
+        cutoff[rnd] = later
+        later = min(later, first[rnd])
+    seen = collections.defaultdict(list)
+    for e, s, step, r, rnd in rows:
+        if step < cutoff[rnd]:
+            seen[e].append(s)
+    check(sorted(seen) == list(range(epochs)),
+          "epochs recorded %s, want 0..%d" % (sorted(seen), epochs - 1))
+    for e in range(epochs):
+        c = collections.Counter(seen[e])
+        dup = [k for k, v in c.items() if v > 1]
+        miss = n - len(c)
+        check(not dup and miss == 0,
+              "epoch %d: %d samples twice, %d missing" % (e, len(dup), miss))
+    return len(rows), len(rounds)
+
+
+def verify(job, ref, expect_fail=(), timeout=300):
+    job.finish(timeout, expect_fail)
+    nrec, nrounds = accounting(job.rec, TRAIN_N, job.epochs)
+    acc = job.accuracy()
+    log("%s: %d records over %d rounds, accuracy %.4f (reference %.4f)" %
+        (job.name, nrec, nrounds, acc, ref))
+    check(abs(acc - ref) <= ACC_TOL,
+          "accuracy %.4f is more than %.1f points from %.4f" % (acc, ACC_TOL * 100, ref))
+
+
+# ---------------------------------------------------------------- scenarios
+
+def start_three(job):
+    for _ in range(3):
+        job.start()
+    job.wait_step(10)
+
+
+def sc_worker_kill(env, mode, ref):
+    job = env.job("worker-kill-" + mode, mode)
+    try:
+        start_three(job)
+        a = job.agents["n2"]
+        pids = a.workers()
+        check(pids, "no worker under agent n2")
+        log("SIGKILL worker %d of n2" % pids[0])
+        os.kill(pids[0], signal.SIGKILL)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_agent_kill(env, mode, ref):
+    job = env.job("agent-kill-" + mode, mode)
+    try:
+        start_three(job)
+        log("SIGKILL agent n3 with its worker")
+        job.agents["n3"].kill_tree()
+        job.wait_round(job.agents["n1"], 2)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_scale_down(env, mode, ref):
+    job = env.job("scale-down-" + mode, mode)
+    try:
+        start_three(job)
+        log("SIGTERM agent n3")
+        job.agents["n3"].signal(signal.SIGTERM)
+        job.agents["n3"].proc.wait(30)
+        check(job.agents["n3"].proc.returncode == 0,
+              "SIGTERM'd agent exited %d" % job.agents["n3"].proc.returncode)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_scale_up(env, mode, ref):
+    job = env.job("scale-up-" + mode, mode)
+    try:
+        start_three(job)
+        log("a fourth agent joins")
+        job.start()
+        job.wait_round(job.agents["n1"], 4)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_hot_spare(env, mode, ref):
+    job = env.job("hot-spare-" + mode, mode, nnodes="3:3")
+    try:
+        start_three(job)
+        spare = job.start()
+        wait_for(lambda: "hot spare" in spare.text(), 60, "the spare to wait")
+        log("SIGKILL agent n1; the spare takes its place")
+        job.agents["n1"].kill_tree()
+        job.wait_round(job.agents["n2"], 3)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_below_min(env, mode, ref):
+    job = env.job("below-min-" + mode, mode, nnodes="3:3")
+    try:
+        start_three(job)
+        log("SIGKILL agent n3: below min_nodes, training pauses")
+        job.agents["n3"].kill_tree()
+        time.sleep(5)
+        s1 = job.steps()
+        time.sleep(3)
+        check(job.steps() == s1, "training went on below min_nodes")
+        log("a node returns")
+        job.start()
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_etcd_restart(env, mode, ref):
+    job = env.job("etcd-restart-" + mode, mode)
+    try:
+        start_three(job)
+        log("etcd restarted")
+        job.etcd.kill()
+        time.sleep(2)
+        job.etcd.start()
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_etcd_pause(env, mode, ref):
+    job = env.job("etcd-pause-" + mode, mode)
+    try:
+        start_three(job)
+        log("etcd unreachable for 10 s (SIGSTOP)")
+        os.kill(job.etcd.proc.pid, signal.SIGSTOP)
+        time.sleep(10)
+        os.kill(job.etcd.proc.pid, signal.SIGCONT)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_slow_node(env, mode, ref):
+    job = env.job("slow-node-" + mode, mode)
+    try:
+        start_three(job)
+        pid = job.agents["n2"].workers()[0]
+        log("worker of n2 10x slower for 8 s (SIGSTOP 90 ms / SIGCONT 10 ms)")
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.09)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_duplicate_id(env, mode, ref):
+    job = env.job("duplicate-id-" + mode, mode)
+    try:
+        start_three(job)
+        dup = job.start(name="dup", node_id="n2")
+        dup.proc.wait(60)
+        check(dup.proc.returncode != 0, "a second agent with node id n2 exited 0")
+        text = dup.text()
+        check("n2" in text and re.search(r"already|in use|duplicate|exists", text, re.I),
+              "no clear error for a duplicate node id: %s" % tail(text, 3))
+        log("duplicate node id refused: %s" % tail(text, 1))
+        dup.killed = True
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_disk_full(env, mode, ref):
+    job = env.job("disk-full-" + mode, mode)
+    mnt = os.path.join(job.dir, "small")
+    os.makedirs(mnt)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", mnt],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise Skip("cannot mount a small tmpfs: %s" % r.stderr.strip())
+    try:
+        # Two checkpoints of ~2 MB each do not fit in 3 MB: a save fails while
+        # the previous one stays, and training goes on.
+        for _ in range(3):
+            job.start(ckpt=mnt)
+        job.wait_step(10)
+        job.agents["n3"].kill_tree()
+        verify(job, ref)
+        text = "".join(a.text() for a in job.agents.values())
+        check("not saved" in text, "no checkpoint failed to save on the full disk")
+    finally:
+        job.cleanup()
+        subprocess.run(["umount", "-l", mnt])
+
+
+def sc_netns(env, mode, ref):
+    """One node in its own network namespace, reached over a veth pair with
+    addresses in a private /30; etcd listens on the host side. Cutting the
+    link makes its lease expire; when it comes back it must rejoin in a new
+    round and take the job's state, never push its old one."""
+    suffix = "%d" % (os.getpid() % 10000)
+    ns, vh, vn = "e2e%s" % suffix, "e2eh%s" % suffix, "e2en%s" % suffix
+    net = "10.213.%d" % (os.getpid() % 200 + 20)
+    host_ip, ns_ip = net + ".1", net + ".2"
+
+    def ip(*a, check_=True):
+        r = subprocess.run(["ip"] + list(a), capture_output=True, text=True)
+        if check_ and r.returncode != 0:
+            raise Skip("cannot set up a network namespace (ip %s): %s" %
+                       (" ".join(a), r.stderr.strip()))
+        return r
+    ip("netns", "add", ns)
+    try:
+        ip("link", "add", vh, "type", "veth", "peer", "name", vn)
+        ip("link", "set", vn, "netns", ns)
+        ip("addr", "add", host_ip + "/30", "dev", vh)
+        ip("link", "set", vh, "up")
+        ip("-n", ns, "addr", "add", ns_ip + "/30", "dev", vn)
+        ip("-n", ns, "link", "set", vn, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        etcd = Etcd(env.workdir, hosts=("127.0.0.1", host_ip))
+        etcd.start()
+        job = env.job("netns-" + mode, mode, etcd=etcd)
+        try:
+            # The three root-namespace agents reach each other on 127.0.0.1 and
+            # the namespaced node on the veth: their ring listens on host_ip.
+            job.extra = ["--host", host_ip]
+            for _ in range(2):
+                job.start()
+            job.extra = ["--host", ns_ip]
+            cut = job.start(name="cut", endpoint="http://%s:%d" % (host_ip, etcd.port),
+                            prefix=["ip", "netns", "exec", ns])
+            job.extra = ["--host", host_ip]
+            job.wait_step(10)
+            log("link of node 'cut' down for 12 s")
+            ip("link", "set", vh, "down")
+            job.wait_round(job.agents["n1"], 2, timeout=60)
+            time.sleep(4)
+            ip("link", "set", vh, "up")
+            verify(job, ref, expect_fail=("cut",))
+            text = cut.text()
+            check(not re.search(r"ckpt-r1-", text), "the cut-off node saved a round-1 checkpoint")
+        finally:
+            job.cleanup()
+            etcd.stop()
+    finally:
+        ip("link", "del", vh, check_=False)
+        ip("netns", "del", ns, check_=False)
+
+
+SCENARIOS = collections.OrderedDict([
+    ("worker_kill", (sc_worker_kill, ("inplace", "restart"))),
+    ("agent_kill", (sc_agent_kill, ("inplace", "restart"))),
+    ("scale_down", (sc_scale_down, ("inplace", "restart"))),
+    ("scale_up", (sc_scale_up, ("inplace", "restart"))),
+    ("hot_spare", (sc_hot_spare, ("inplace", "restart"))),
+    ("below_min", (sc_below_min, ("inplace",))),
+    ("etcd_restart", (sc_etcd_restart, ("inplace",))),
+    ("etcd_pause", (sc_etcd_pause, ("inplace",))),
+    ("netns", (sc_netns, ("inplace",))),
+    ("slow_node", (sc_slow_node, ("inplace",))),
+    ("disk_full", (sc_disk_full, ("restart",))),
+    ("duplicate_id", (sc_duplicate_id, ("inplace",))),
+])
+CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
+        "etcd_pause:inplace"]
+
+
+class Env:
+    def __init__(self, a):
+        self.agent, self.train, self.data, self.seed = a.agent, a.train, a.data, a.seed
+        self.workdir = tempfile.mkdtemp(prefix="ductile-e2e-")
+        self.keep = bool(os.environ.get("KEEP"))
+
+    def job(self, name, mode, **kw):
+        return Job(self, name, mode, **kw)
+
+    def reference(self):
+        job = self.job("reference", "inplace")
+        try:
+            for _ in range(3):
+                job.start()
+            job.finish(300)
+            accounting(job.rec, TRAIN_N, job.epochs)
+            acc = job.accuracy()
+        finally:
+            job.cleanup()
+        log("reference (3 agents, uninterrupted): accuracy %.4f" % acc)
+        return acc
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--agent", required=True)
+    p.add_argument("--train", required=True)
+    p.add_argument("--data", default=os.environ.get("FASHION_MNIST",
+                                                   "/usr/share/datasets/fashion-mnist"))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("cases", nargs="+")
+    a = p.parse_args()
+    cases = []
+    for c in a.cases:
+        if c == "core":
+            cases += CORE
+        elif c == "all":
+            cases += ["%s:%s" % (k, m) for k, (_, modes) in SCENARIOS.items() for m in modes]
+        else:
+            cases.append(c)
+    env = Env(a)
+    results = []
+    try:
+        ref = env.reference()
+        for c in cases:
+            name, _, mode = c.partition(":")
+            fn, modes = SCENARIOS[name]
+            for m in ([mode] if mode else modes):
+                t = time.monotonic()
+                try:
+                    fn(env, m, ref)
+                    results.append((c, m, "PASS", ""))
+                except Skip as e:
+                    results.append((c, m, "SKIP", str(e)))
+                except Fail as e:
+                    results.append((c, m, "FAIL", str(e)))
+                log("%s %s: %s (%.0f s) %s" % (name, m, results[-1][2], time.monotonic() - t,
+                                               results[-1][3]))
+    except Fail as e:
+        log("reference run failed: %s" % e)
+        return 1
+    finally:
+        if not env.keep:
+            shutil.rmtree(env.workdir, ignore_errors=True)
+        else:
+            log("kept", env.workdir)
+    for c, m, r, why in results:
+        print("%-4s %-14s %-8s %s" % (r, c.partition(":")[0], m, why))
+    if any(r == "FAIL" for _, _, r, _ in results):
+        return 1
+    if results and all(r == "SKIP" for _, _, r, _ in results):
+        return 77
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
