@@ -76,7 +76,17 @@ size_t conv_col_size(const conv_shape *s)
     return (size_t)s->c * s->k * s->k * s->oh * s->ow;
 }
 
-/* col[(c*k + ki)*k + kj][oy*OW + ox] = in[c][oy+ki-pad][ox+kj-pad], 0 outside. */
+/* The output columns ox whose input column ox + kj - pad lies inside the
+ * image: [*lo, *hi). Outside it the padding is zero. */
+static void valid_cols(const conv_shape *s, int kj, int *lo, int *hi)
+{
+    *lo = s->pad - kj > 0 ? s->pad - kj : 0;
+    *hi = s->w + s->pad - kj < s->ow ? s->w + s->pad - kj : s->ow;
+    if (*hi < *lo) *hi = *lo;
+}
+
+/* col[(c*k + ki)*k + kj][oy*OW + ox] = in[c][oy+ki-pad][ox+kj-pad], 0 outside.
+ * Each row is a zero edge, a contiguous copy and a zero edge. */
 static void im2col(float *col, const float *in, const conv_shape *s)
 {
     int ohw = s->oh * s->ow;
@@ -84,6 +94,8 @@ static void im2col(float *col, const float *in, const conv_shape *s)
         for (int ki = 0; ki < s->k; ki++)
             for (int kj = 0; kj < s->k; kj++) {
                 float *dst = col + (size_t)((c * s->k + ki) * s->k + kj) * ohw;
+                int lo, hi;
+                valid_cols(s, kj, &lo, &hi);
                 for (int oy = 0; oy < s->oh; oy++) {
                     int y = oy + ki - s->pad;
                     float *row = dst + oy * s->ow;
@@ -92,10 +104,9 @@ static void im2col(float *col, const float *in, const conv_shape *s)
                         continue;
                     }
                     const float *src = in + ((size_t)c * s->h + y) * s->w;
-                    for (int ox = 0; ox < s->ow; ox++) {
-                        int x = ox + kj - s->pad;
-                        row[ox] = (x >= 0 && x < s->w) ? src[x] : 0.0f;
-                    }
+                    memset(row, 0, sizeof(float) * lo);
+                    memcpy(row + lo, src + (lo + kj - s->pad), sizeof(float) * (hi - lo));
+                    memset(row + hi, 0, sizeof(float) * (s->ow - hi));
                 }
             }
 }
@@ -109,15 +120,15 @@ static void col2im(float *in, const float *col, const conv_shape *s)
         for (int ki = 0; ki < s->k; ki++)
             for (int kj = 0; kj < s->k; kj++) {
                 const float *src = col + (size_t)((c * s->k + ki) * s->k + kj) * ohw;
+                int lo, hi;
+                valid_cols(s, kj, &lo, &hi);
                 for (int oy = 0; oy < s->oh; oy++) {
                     int y = oy + ki - s->pad;
                     if (y < 0 || y >= s->h) continue;
-                    float *dst = in + ((size_t)c * s->h + y) * s->w;
-                    const float *row = src + oy * s->ow;
-                    for (int ox = 0; ox < s->ow; ox++) {
-                        int x = ox + kj - s->pad;
-                        if (x >= 0 && x < s->w) dst[x] += row[ox];
-                    }
+                    float *dst = in + ((size_t)c * s->h + y) * s->w + (lo + kj - s->pad);
+                    const float *row = src + oy * s->ow + lo;
+                    for (int i = 0; i < hi - lo; i++)
+                        dst[i] += row[i];
                 }
             }
 }
