@@ -5,11 +5,16 @@
  * reducer is checked with a real model and no peers: gradients are views
  * into bucket memory in reverse parameter order, the stop flag rides in the
  * last bucket, no_sync accumulates, and a parameter that never got a
- * gradient is an error rather than a silent wrong update.
+ * gradient is an error rather than a silent wrong update. A recording
+ * collectives backend (comm_impl.h's ops table) shows the communication
+ * thread reduces buckets in index order whatever order they become ready
+ * in, and that a failed collective fails the step and stops the rest.
  */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "comm_impl.h"
 #include "ddp.h"
 #include "model.h"
 #include "trainer_test.h"
@@ -162,9 +167,134 @@ static void test_reducer_layout(void)
     model_free(m);
 }
 
+/* ---- a recording backend: world of 2, sums nothing, logs each call ---- */
+
+typedef struct rec_comm {
+    comm base; /* first: comm.c's part */
+    const float *grads;
+    size_t off[64], n[64];
+    int calls;
+    int fail_at; /* call index that fails, -1 for none */
+} rec_comm;
+
+static comm_err rec_allreduce(comm *c, float *buf, size_t n)
+{
+    rec_comm *r = (rec_comm *)c;
+    if (r->calls < 64) {
+        r->off[r->calls] = (size_t)(buf - r->grads);
+        r->n[r->calls] = n;
+    }
+    /* Slow enough that later buckets are ready before this one is done. */
+    usleep(2000);
+    if (r->calls++ == r->fail_at)
+        return comm_fail(c, COMM_ERR_PEER, "rank 1 closed its connection (test)");
+    return COMM_OK;
+}
+
+static comm_err rec_broadcast(comm *c, void *buf, size_t bytes, int root)
+{
+    (void)c, (void)buf, (void)bytes, (void)root;
+    return COMM_OK;
+}
+
+static comm_err rec_allgather(comm *c, const void *send, size_t bytes, void *recv)
+{
+    (void)c, (void)send, (void)bytes, (void)recv;
+    return COMM_OK;
+}
+
+static comm_err rec_barrier(comm *c)
+{
+    (void)c;
+    return COMM_OK;
+}
+
+static void rec_abort(comm *c)
+{
+    (void)c;
+}
+
+static void rec_destroy(comm *c)
+{
+    free(c);
+}
+
+static const comm_ops rec_ops = {"recording", rec_allreduce, rec_broadcast, rec_allgather,
+                                 rec_barrier, rec_abort,     rec_destroy};
+
+/* Marks every parameter ready in the given order, as backward would. */
+static void mark_all(ddp_reducer *r, const int *order, int n)
+{
+    for (int i = 0; i < n; i++)
+        ddp_mark_ready(r, order[i]);
+}
+
+static void test_reduce_order(int overlap, const char *order_name, int forward)
+{
+    model *m;
+    char msg[256];
+    model_config cfg = {.kind = MODEL_MLP,
+                        .in_c = 1,
+                        .in_h = 16,
+                        .in_w = 16,
+                        .classes = 10,
+                        .nhidden = 4,
+                        .hidden = {64, 64, 64, 64}};
+    if (model_create(&cfg, 2, &m, msg) != 0) {
+        CHECK(0, "model_create: %s", msg);
+        return;
+    }
+    rec_comm *rc = calloc(1, sizeof(*rc));
+    comm_base_init(&rc->base, &rec_ops, 0, 2);
+    rc->fail_at = -1;
+    ddp_reducer *r;
+    CHECK(ddp_reducer_create(m, &rc->base, 10 * KB, overlap, &r) == DDP_OK, "create");
+    rc->grads = ddp_grads(r);
+    int nb = ddp_bucket_count(r), order[MODEL_MAX_PARAMS];
+    CHECK(nb == 4, "%d buckets, want 4", nb);
+    for (int i = 0; i < m->nparams; i++) /* forward order: the LAST bucket is ready first */
+        order[i] = forward ? i : m->nparams - 1 - i;
+    for (int i = 0; i < m->nparams; i++)
+        m->params[i].grad[0] = 2.0f;
+    int stop = -1;
+    ddp_begin(r, 1, 1);
+    mark_all(r, order, m->nparams);
+    CHECK(ddp_finish(r, &stop) == DDP_OK, "finish: %s", ddp_last_error(r));
+    CHECK(rc->calls == nb, "%s, overlap %d: %d all-reduces for %d buckets", order_name, overlap,
+          rc->calls, nb);
+    for (int b = 0; b < nb && b < rc->calls; b++)
+        CHECK(rc->off[b] == ddp_bucket_get(r, b)->offset && rc->n[b] == ddp_bucket_get(r, b)->numel,
+              "%s, overlap %d: call %d reduced [%zu, +%zu), want bucket %d [%zu, +%zu)", order_name,
+              overlap, b, rc->off[b], rc->n[b], b, ddp_bucket_get(r, b)->offset,
+              ddp_bucket_get(r, b)->numel);
+    /* Divided by the world size (2) after the reduction; the flag too. */
+    CHECK(m->params[0].grad[0] == 1.0f && stop == 1, "averaged %g, stop %d", m->params[0].grad[0],
+          stop);
+
+    /* The second collective fails: the step fails, naming the bucket, and
+     * no later bucket is sent. */
+    rc->calls = 0;
+    rc->fail_at = 1;
+    ddp_begin(r, 1, 0);
+    mark_all(r, order, m->nparams);
+    CHECK(ddp_finish(r, &stop) == DDP_ERR_COMM, "failed collective fails the step");
+    CHECK(strstr(ddp_last_error(r), "bucket 1") && strstr(ddp_last_error(r), "rank 1 closed"),
+          "error line: %s", ddp_last_error(r));
+    CHECK(rc->calls == 2, "%d collectives after the failure, want none", rc->calls - 2);
+    printf("  %s order, overlap %d: %s\n", order_name, overlap, ddp_last_error(r));
+    ddp_reducer_free(r);
+    comm_free(&rc->base);
+    model_free(m);
+}
+
 int main(void)
 {
     test_assignment();
     test_reducer_layout();
+    printf("reduction order\n");
+    for (int overlap = 0; overlap <= 1; overlap++) {
+        test_reduce_order(overlap, "backward", 0);
+        test_reduce_order(overlap, "forward", 1);
+    }
     return test_finish("test_buckets");
 }
