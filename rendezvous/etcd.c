@@ -8,9 +8,11 @@
  * "unavailable"); a failed compare, a bad request or a missing lease are
  * answers. A request that may have reached etcd is sent again only when doing
  * so cannot change the outcome (ranges, lease calls); for a put, delete or a
- * writing txn a connection lost after sending is reported, not repeated,
- * because repeating it could apply it twice or make a guarded txn fail on
- * its own first write.
+ * writing txn a connection lost after sending, or an "unavailable" that etcd
+ * gives after proposing ("request timed out", "leader changed"), is
+ * reported, not repeated, because repeating it could apply it twice or make
+ * a guarded txn fail on its own first write (etcd's clientv3 draws the same
+ * line).
  *
  * A watch is one long POST read incrementally through a curl multi handle, so
  * etcd_watch_next can wait with a deadline and be woken from another thread
@@ -439,6 +441,15 @@ static etcd_err map_grpc(int code, const char *msg, int http)
     }
 }
 
+/* "Unavailable" answers that etcd gives after a proposal may have gone
+ * through raft ("request timed out", "leader changed"); "no leader" and the
+ * like come before anything was proposed. */
+static int is_ambiguous(const char *msg)
+{
+    return strstr(msg, "timed out") || strstr(msg, "leader changed") ||
+           strstr(msg, "server stopped");
+}
+
 static int is_token_error(int code, const char *msg)
 {
     return code == 16 || strstr(msg, "invalid auth token") != NULL;
@@ -516,6 +527,10 @@ static etcd_err conn_call(conn *k, const char *path, const char *body, size_t li
                 continue;
             }
             snprintf(last, sizeof(last), "%s%s: %s (HTTP %ld, code %d)", ep, path, msg, http, code);
+            if (code == 14 && !(flags & CALL_IDEMPOTENT) && is_ambiguous(msg)) {
+                conn_seterr(k, "%s; the request may have been applied, not repeating it", last);
+                return ETCD_ERR_UNAVAILABLE;
+            }
             if (code == 14 || (code < 0 && http >= 500)) goto retry;
             conn_seterr(k, "%s", last);
             return code < 0 ? ETCD_ERR_PROTOCOL : map_grpc(code, msg, (int)http);

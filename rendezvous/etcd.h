@@ -6,9 +6,10 @@
  * A client holds several endpoints and fails over between them; every call
  * has a deadline, and only transient errors (connection refused or reset,
  * 5xx, "unavailable") are retried, with backoff, until that deadline. A put,
- * delete or writing txn whose connection broke after it was sent is not sent
- * again (it may have been applied): it returns ETCD_ERR_UNAVAILABLE and the
- * caller re-reads before deciding.
+ * delete or writing txn whose connection broke after it was sent, or that
+ * etcd timed out after proposing it, is not sent again (it may have been
+ * applied): it returns ETCD_ERR_UNAVAILABLE ("may have been applied" in
+ * etcd_last_error) and the caller re-reads before deciding.
  *
  * A client is used by one thread at a time. A watch is its own object with
  * its own connection, so one thread can block on a watch while another uses

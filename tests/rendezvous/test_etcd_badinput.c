@@ -170,6 +170,17 @@ static void test_errors_and_retries(void)
     fake_script(&fk, s2, 2);
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
     CHECK(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    /* etcd's "request timed out" comes after proposing: a range is asked
+     * again, a put is not (it may have been applied) */
+    char *timedout = fake_http(503, "{\"error\":\"x\",\"code\":14,\"message\":\"etcdserver: "
+                                    "request timed out\"}");
+    fake_reply s2b[] = {{.data = timedout}, {.data = ok}};
+    CHECK_OK(c, range_script(s2b, 2, &reqs));
+    CHECK(reqs == 2);
+    fake_script(&fk, s2b, 2);
+    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
+    CHECK(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    free(timedout);
     /* a put whose connection was refused before sending is retried (see
      * test_etcd_failure's failover); answers that are verdicts are not */
     struct {
