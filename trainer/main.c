@@ -1023,6 +1023,7 @@ int main(int argc, char **argv)
         if (stop) why = stop_reason(&t);
         if (stop && t.el && trainer_boundary(&t, &evaluated)) {
             stop = 0;
+            why = "epochs";
             continue;
         }
         stop = stop || t.st.epoch >= t.o.epochs;
