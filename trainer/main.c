@@ -131,14 +131,15 @@ static void usage(FILE *f)
         "  --no-overlap           all-reduce after backward instead of during it\n"
         "  --threads N            BLAS threads (cores / LOCAL_WORLD_SIZE)\n"
         "  --log-every N          steps between log lines (100)\n"
-        "  --host ADDR            address the ring listens on and publishes (127.0.0.1)\n"
+        "  --host ADDR            address the ring listens on and publishes\n"
+        "                         (DUCTILE_NODE_ADDR, else 127.0.0.1)\n"
         "  --comm-timeout-ms MS   deadline for a silent peer (30000)\n"
         "  --device auto|cpu|cuda where to train, on GPU number LOCAL_RANK; auto: CUDA when\n"
         "                         there is a GPU for each of LOCAL_WORLD_SIZE ranks (auto)\n"
         "Every option can also be set as DUCTILE_TRAIN_<NAME> (--batch-size: "
         "DUCTILE_TRAIN_BATCH_SIZE).\n"
         "Under ductile-agent: RANK, WORLD_SIZE, LOCAL_RANK, DUCTILE_ETCD_ENDPOINTS,\n"
-        "DUCTILE_JOB, DUCTILE_ROUND.\n",
+        "DUCTILE_JOB, DUCTILE_ROUND (and DUCTILE_ETCD_CACERT/CERT/KEY/USER/PASSWORD).\n",
         f);
 }
 
@@ -399,7 +400,13 @@ static int group_join(group *g, const options *o)
                 world);
         return -1;
     }
-    rdzv_etcd etcd = {.endpoints = endpoints};
+    /* The agent hands its etcd credentials to workers under these names. */
+    rdzv_etcd etcd = {.endpoints = endpoints,
+                      .cacert = getenv("DUCTILE_ETCD_CACERT"),
+                      .cert = getenv("DUCTILE_ETCD_CERT"),
+                      .key = getenv("DUCTILE_ETCD_KEY"),
+                      .user = getenv("DUCTILE_ETCD_USER"),
+                      .password = getenv("DUCTILE_ETCD_PASSWORD")};
     rdzv_err re = rdzv_store_open(&etcd, job, round, &g->store);
     if (re != RDZV_OK) {
         fprintf(stderr, "ductile-train: round %lld store of job %s: %s\n", round, job,
@@ -409,7 +416,8 @@ static int group_join(group *g, const options *o)
     comm_config cc = {.rank = g->rank,
                       .world_size = g->world,
                       .store = g->store,
-                      .host = o->host,
+                      /* The ring listens on, and publishes, this node's address. */
+                      .host = o->host ? o->host : getenv("DUCTILE_NODE_ADDR"),
                       .timeout_ms = o->comm_timeout_ms,
                       .device = o->gpu};
     int cuda = o->device == DEVICE_CUDA;
