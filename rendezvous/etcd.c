@@ -1074,6 +1074,7 @@ struct etcd_watch {
     int64_t retry_at;   /* W_DOWN: when to reconnect */
     int64_t down_since; /* when the stream was last not live; 0 while live */
     int tries;          /* failed connects in a row, for backoff */
+    int64_t live_since; /* when the current stream was created */
     int reauthed;
     int created_once;
     char curlerr[CURL_ERROR_SIZE];
@@ -1119,7 +1120,9 @@ static void watch_down(etcd_watch *w)
     int64_t now = now_ms();
     if (!w->down_since) w->down_since = now;
     w->k.cur = (w->k.cur + 1) % w->k.nendpoints;
-    if (was_live) w->tries = 0;
+    /* a stream that lived a while starts over without waiting; one that
+     * breaks right after "created" keeps backing off (no reconnect storm) */
+    if (was_live && now - w->live_since >= 1000) w->tries = 0;
     int64_t d = 0;
     if (w->tries > 0) {
         int r = w->tries - 1 < 6 ? w->tries - 1 : 6;
@@ -1249,7 +1252,7 @@ static void handle_msg(etcd_watch *w, const char *line, size_t len)
             w->state = W_LIVE;
             w->created_once = 1;
             w->down_since = 0;
-            w->tries = 0;
+            w->live_since = now_ms();
             w->reauthed = 0;
             if (w->next_rev == 0) {
                 w->next_rev = m.header_revision + 1;

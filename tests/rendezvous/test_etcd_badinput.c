@@ -391,6 +391,19 @@ static void test_watch_streams(void)
     CHECK(e == ETCD_ERR_UNAVAILABLE && strstr(etcd_watch_last_error(w), "still trying"));
     etcd_watch_close(w);
     etcd_set_timeout(c, 0);
+
+    /* a stream that always ends right after "created": reconnects back off
+     * instead of hammering the server */
+    fake_reply s7[] = {{.data = STREAM_HDR CREATED}};
+    w = open_watch(s7, 1);
+    t0 = test_now_ms();
+    while (test_now_ms() - t0 < 1500) {
+        e = etcd_watch_next(w, 100, &ev, &n);
+        CHECK(e == ETCD_OK && n == 0);
+    }
+    int conns = fake_requests(&fk);
+    CHECK(conns >= 3 && conns < 30);
+    etcd_watch_close(w);
 }
 
 static void test_config_errors(void)
