@@ -61,7 +61,7 @@ const char *etcd_last_error(const etcd_client *c);
 void etcd_set_timeout(etcd_client *c, int timeout_ms);
 
 typedef struct etcd_kv {
-    char *key; /* NUL-terminated; keys here are text */
+    char *key;   /* NUL-terminated; keys here are text */
     char *value; /* NUL-terminated copy too, value_len excludes the NUL */
     size_t value_len;
     int64_t create_revision;
@@ -131,9 +131,9 @@ typedef struct etcd_op {
 } etcd_op;
 
 typedef struct etcd_txn_result {
-    int succeeded;    /* 1 when every compare held and `then` ran */
-    int64_t revision; /* store revision after the txn */
-    size_t n;         /* one entry per op that ran */
+    int succeeded;             /* 1 when every compare held and `then` ran */
+    int64_t revision;          /* store revision after the txn */
+    size_t n;                  /* one entry per op that ran */
     etcd_range_result *ranges; /* ranges[i] filled for RANGE ops, empty otherwise */
 } etcd_txn_result;
 
