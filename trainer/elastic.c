@@ -338,7 +338,13 @@ elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, in
         snprintf(msg, 256, "DUCTILE_ETCD_ENDPOINTS and DUCTILE_JOB must be set");
         return ELASTIC_ERR_ARG;
     }
-    rdzv_etcd etcd = {.endpoints = endpoints};
+    /* The agent hands its etcd credentials and node address to workers. */
+    rdzv_etcd etcd = {.endpoints = endpoints,
+                      .cacert = getenv("DUCTILE_ETCD_CACERT"),
+                      .cert = getenv("DUCTILE_ETCD_CERT"),
+                      .key = getenv("DUCTILE_ETCD_KEY"),
+                      .user = getenv("DUCTILE_ETCD_USER"),
+                      .password = getenv("DUCTILE_ETCD_PASSWORD")};
     rdzv_err re = rdzv_store_open(&etcd, job, rd->round, store);
     if (re != RDZV_OK) {
         snprintf(msg, 256, "round %lld store: %s", (long long)rd->round, rdzv_strerror(re));
@@ -348,6 +354,7 @@ elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, in
     cc.rank = rd->rank;
     cc.world_size = rd->world;
     cc.store = *store;
+    if (!cc.host) cc.host = getenv("DUCTILE_NODE_ADDR");
     comm_err ce = cuda ? comm_nccl_init(&cc, c) : comm_ring_init(&cc, c);
     if (ce != COMM_OK) {
         snprintf(msg, 256, "round %lld: building the %s: %s: %s", (long long)rd->round,
