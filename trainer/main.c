@@ -694,6 +694,8 @@ static int agree_state(trainer *t)
 static int resume_and_sync(trainer *t)
 {
     char path[4096], msg[256];
+    /* On a GPU the current state is on the device: the host copy is what goes out. */
+    if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0) return fail("--device cuda: %s", msg);
     if (t->g.rank == 0 && t->o.checkpoint_dir && !t->has_state) {
         ckpt_state want = t->st, got;
         ckpt_err e = ckpt_load(t->o.checkpoint_dir, &want, &got, t->m->weights, t->m->nfloats,
