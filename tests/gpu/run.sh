@@ -29,7 +29,8 @@ echo "== build ($build)"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUCTILE_SANITIZE=OFF \
     -DDUCTILE_CUDA=ON >"$tmp/cmake.log" 2>&1 || { cat "$tmp/cmake.log"; exit 1; }
 grep -q "CUDA parts ON" "$tmp/cmake.log" || { echo "run.sh: CUDA not found by cmake"; exit 1; }
-cmake --build "$build" -j"$jobs" >"$tmp/build.log" 2>&1 || { tail -40 "$tmp/build.log"; exit 1; }
+cmake --build "$build" -j"$jobs" --target ductile-train compare_params gpu_probe gpu_sgemm_bench \
+    test_gpu_kernels test_gpu_ddp >"$tmp/build.log" 2>&1 || { tail -40 "$tmp/build.log"; exit 1; }
 
 probe=$build/tests/gpu/gpu_probe
 "$probe" >"$tmp/probe" 2>&1
