@@ -12,6 +12,8 @@
  *     a silent death.
  *   - leave: a clean leave to the survivors' next round. Baseline: one put
  *     seen through a watch (txn + watch notification).
+ * Each change is timed twice: until every survivor has noticed (ROUND_ENDED)
+ * and until every survivor holds its rank in the next round (FROZEN).
  * Times use CLOCK_MONOTONIC stamps printed by the participants themselves,
  * so reading their pipes late does not count.
  */
@@ -82,13 +84,13 @@ out:
     return best[n / 2];
 }
 
-/* Latest "t=" over the next FROZEN line of each listed process, or -1. */
-static double last_frozen(tp_set *s, const int *ids, int n, int timeout_ms)
+/* Latest "t=" over the next `word` line of each listed process, or -1. */
+static double last_line(tp_set *s, const int *ids, int n, const char *word, int timeout_ms)
 {
     double latest = 0;
     char line[LINE];
     for (int k = 0; k < n; k++) {
-        if (tp_expect(s, ids[k], "FROZEN", timeout_ms, line, sizeof(line)) != 0) return -1;
+        if (tp_expect(s, ids[k], word, timeout_ms, line, sizeof(line)) != 0) return -1;
         char t[64];
         tp_field(line, "t", t, sizeof(t));
         double v = atof(t);
@@ -100,14 +102,14 @@ static double last_frozen(tp_set *s, const int *ids, int n, int timeout_ms)
 static void row(const char *what, double ours, const char *base_name, double base)
 {
     if (ours < 0 || base <= 0) {
-        printf("| %-28s | %10s | %-34s | %10s | %7s |\n", what, "FAILED", base_name, "-", "-");
+        printf("| %-30s | %10s | %-34s | %10s | %7s |\n", what, "FAILED", base_name, "-", "-");
         return;
     }
-    printf("| %-28s | %8.3f s | %-34s | %8.3f s | %6.1fx |\n", what, ours, base_name, base,
+    printf("| %-30s | %8.3f s | %-34s | %8.3f s | %6.1fx |\n", what, ours, base_name, base,
            ours / base);
 }
 
-static int form(const char *endpoint, int n, double *secs)
+static int form(const char *endpoint, int n, double *secs, double *after_reg)
 {
     char job[32], opts[256], node[32];
     snprintf(job, sizeof(job), "form-%d", n);
@@ -124,8 +126,10 @@ static int form(const char *endpoint, int n, double *secs)
         snprintf(node, sizeof(node), "n%03d", i);
         ids[i] = tp_spawn(&s, node, opts);
     }
-    double t1 = last_frozen(&s, ids, n, 300000);
+    double treg = last_line(&s, ids, n, "OPEN", 300000);
+    double t1 = last_line(&s, ids, n, "FROZEN", 300000);
     *secs = t1 > 0 ? t1 - t0 : -1;
+    *after_reg = t1 > 0 && treg > 0 ? t1 - treg : -1;
     int ok = t1 > 0 && tp_check_agreement(&s) == 0;
     for (int i = 0; i < n; i++)
         tp_send(&s, ids[i], "close");
@@ -135,7 +139,7 @@ static int form(const char *endpoint, int n, double *secs)
 }
 
 /* 8 members; one dies (kill) or leaves; seconds to the survivors' round. */
-static int change(const char *endpoint, int do_kill, double *secs)
+static int change(const char *endpoint, int do_kill, double *noticed, double *secs)
 {
     enum { N = 8 };
     char opts[256], node[32];
@@ -149,8 +153,8 @@ static int change(const char *endpoint, int do_kill, double *secs)
         ids[i] = tp_spawn(&s, node, opts);
     }
     int rc = -1;
-    *secs = -1;
-    if (last_frozen(&s, ids, N, 60000) > 0) {
+    *secs = *noticed = -1;
+    if (last_line(&s, ids, N, "FROZEN", 60000) > 0) {
         double t0 = tp_now();
         if (do_kill)
             tp_kill(&s, ids[3], SIGKILL);
@@ -159,9 +163,11 @@ static int change(const char *endpoint, int do_kill, double *secs)
         int rest[N - 1], m = 0;
         for (int i = 0; i < N; i++)
             if (i != 3) rest[m++] = ids[i];
-        double t1 = last_frozen(&s, rest, m, 60000);
-        if (t1 > 0) {
-            *secs = t1 - t0;
+        double t1 = last_line(&s, rest, m, "ENDED", 60000);
+        double t2 = last_line(&s, rest, m, "FROZEN", 60000);
+        if (t1 > 0 && t2 > 0) {
+            *noticed = t1 - t0;
+            *secs = t2 - t0;
             rc = tp_check_agreement(&s);
         }
     }
@@ -193,31 +199,36 @@ int main(int argc, char **argv)
     int failed = 0;
     printf("rendezvous (participants are processes, one rdzv handle each; one etcd; "
            "this machine)\n");
-    printf("| %-28s | %10s | %-34s | %10s | %7s |\n", "figure", "ours", "baseline", "baseline",
+    printf("| %-30s | %10s | %-34s | %10s | %7s |\n", "figure", "ours", "baseline", "baseline",
            "ratio");
-    printf("|------------------------------|------------|------------------------------------|"
+    printf("|--------------------------------|------------|------------------------------------|"
            "------------|---------|\n");
     for (int i = 0; i < nsizes; i++) {
         int n = sizes[i];
         if (n < 1 || n > 256) continue;
-        double secs = -1;
-        failed |= form(e.endpoint, n, &secs) != 0;
+        double secs = -1, after_reg = -1;
+        failed |= form(e.endpoint, n, &secs, &after_reg) != 0;
         double base = baseline_puts(c, n);
         char what[64], bname[64];
         snprintf(what, sizeof(what), "form, N=%d", n);
         snprintf(bname, sizeof(bname), "%d sequential etcd puts", n);
         row(what, secs, bname, base);
+        snprintf(what, sizeof(what), "  last register -> all, N=%d", n);
+        row(what, after_reg, bname, base);
         fflush(stdout);
     }
-    double secs = -1;
-    failed |= change(e.endpoint, 1, &secs) != 0;
+    double noticed = -1, secs = -1;
+    double notify = baseline_notify(c, e.endpoint);
+    failed |= change(e.endpoint, 1, &noticed, &secs) != 0;
     char bname[64];
     snprintf(bname, sizeof(bname), "lease TTL (%d s)", KILL_TTL);
+    row("SIGKILL -> all noticed, N=8", noticed, bname, (double)KILL_TTL);
     row("SIGKILL -> next round, N=8", secs, bname, (double)KILL_TTL);
     fflush(stdout);
-    failed |= change(e.endpoint, 0, &secs) != 0;
-    row("leave -> next round, N=8", secs, "put -> watch event (median of 5)",
-        baseline_notify(c, e.endpoint));
+    failed |= change(e.endpoint, 0, &noticed, &secs) != 0;
+    row("leave -> all noticed, N=8", noticed, "put -> watch event (median of 5)", notify);
+    row("leave -> next round, N=8", secs, "put -> watch event (median of 5)", notify);
+    printf("(next round: survivors 7 < max 8, so it freezes after last call = 100 ms)\n");
     etcd_client_free(c);
     test_etcd_stop(&e);
     return failed ? 1 : 0;
