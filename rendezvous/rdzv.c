@@ -14,9 +14,9 @@
  * Watches (each on its own thread, feeding the driver's inbox) are what
  * wake the driver; there is no polling. Every agent watches `round`, and
  * from its first frozen round on `nodes/` and `waiting/`; only the earliest
- * joiner of an open round watches
- * the joins, the others watch just the join key before theirs (the etcd
- * election recipe), so a freezer that dies is replaced at once. A keep-alive
+ * joiner of an open round watches the joins, the others watch just the join
+ * key before theirs (the etcd election recipe), so a freezer that dies is
+ * replaced at once. A keep-alive
  * thread renews the lease at TTL/3 on its own connection so that a slow
  * protocol step can never starve it.
  */
@@ -126,10 +126,14 @@ static void dlog(const rdzv *r, const char *fmt, ...)
 
 /* ---- events to the caller ---- */
 
-static void emit(rdzv *r, const rdzv_event *ev)
+/* Queues ev (taking its round) for the caller. */
+static void emit(rdzv *r, rdzv_event *ev)
 {
     ev_node *n = calloc(1, sizeof(*n));
-    if (!n) return; /* nothing sensible to do; the caller's deadlines still hold */
+    if (!n) { /* nothing sensible to do; the caller's deadlines still hold */
+        rdzv_event_free(ev);
+        return;
+    }
     n->ev = *ev;
     pthread_mutex_lock(&r->ev_mu);
     if (r->ev_tail)
