@@ -34,7 +34,7 @@ import tempfile
 import time
 
 TRAIN_N = 6000
-EPOCHS = 6
+EPOCHS = 25
 BATCH = 64
 ACC_TOL = 0.005
 
@@ -173,7 +173,7 @@ class Agent:
 class Job:
     """One training job: etcd, agents, the shared record file and checkpoint dir."""
 
-    def __init__(self, env, name, mode, nnodes="3:4", epochs=EPOCHS, etcd=None, extra=()):
+    def __init__(self, env, name, mode, nnodes="2:4", epochs=EPOCHS, etcd=None, extra=()):
         self.env = env
         self.name = name
         self.mode = mode
@@ -540,6 +540,48 @@ def sc_netns(env, mode, ref):
         ip("netns", "del", ns, check_=False)
 
 
+def sc_chaos(env, mode, ref):
+    """A seeded random schedule of 20 kills, joins and leaves over one run
+    (2 to 4 agents); events wait for training to move on between them."""
+    seed = env.chaos_seed
+    rng = random.Random(seed)
+    log("chaos seed %d (rerun: e2e.py ... --chaos-seed %d chaos)" % (seed, seed))
+    job = env.job("chaos-" + mode, mode, nnodes="2:4", epochs=CHAOS_EPOCHS)
+    try:
+        for _ in range(3):
+            job.start()
+        done = []
+        for i in range(20):
+            job.wait_step(30 + 40 * i, timeout=180)
+            alive = [a for a in job.agents.values() if a.proc.poll() is None]
+            kinds = ["worker_kill", "join"]
+            if len(alive) > 2:
+                kinds += ["agent_kill", "leave"]
+            kind = rng.choice(kinds)
+            victim = rng.choice(alive)
+            if kind == "worker_kill":
+                pids = victim.workers()
+                if pids:
+                    os.kill(pids[0], signal.SIGKILL)
+            elif kind == "agent_kill":
+                victim.kill_tree()
+            elif kind == "leave":
+                victim.signal(signal.SIGTERM)
+                victim.proc.wait(30)
+                check(victim.proc.returncode == 0, "agent %s left with code %d" %
+                      (victim.name, victim.proc.returncode))
+                victim.killed = True
+            else:
+                victim = job.start()
+            done.append("%s:%s" % (kind, victim.name))
+            log("chaos event %d: %s %s" % (i + 1, kind, victim.name))
+        verify(job, ref, timeout=600)
+    except Fail as e:
+        raise Fail("chaos seed %d: %s (events: %s)" % (seed, e, " ".join(done)))
+    finally:
+        job.cleanup()
+
+
 SCENARIOS = collections.OrderedDict([
     ("worker_kill", (sc_worker_kill, ("inplace", "restart"))),
     ("agent_kill", (sc_agent_kill, ("inplace", "restart"))),
@@ -554,6 +596,8 @@ SCENARIOS = collections.OrderedDict([
     ("disk_full", (sc_disk_full, ("restart",))),
     ("duplicate_id", (sc_duplicate_id, ("inplace",))),
 ])
+CHAOS = collections.OrderedDict([("chaos", (sc_chaos, ("inplace", "restart")))])
+CHAOS_EPOCHS = 40
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
         "etcd_pause:inplace"]
 
@@ -563,12 +607,13 @@ class Env:
         self.agent, self.train, self.data, self.seed = a.agent, a.train, a.data, a.seed
         self.workdir = tempfile.mkdtemp(prefix="ductile-e2e-")
         self.keep = bool(os.environ.get("KEEP"))
+        self.chaos_seed = a.chaos_seed if a.chaos_seed is not None else random.randrange(1 << 30)
 
     def job(self, name, mode, **kw):
         return Job(self, name, mode, **kw)
 
-    def reference(self):
-        job = self.job("reference", "inplace")
+    def reference(self, epochs=EPOCHS):
+        job = self.job("reference", "inplace", epochs=epochs)
         try:
             for _ in range(3):
                 job.start()
@@ -581,13 +626,19 @@ class Env:
         return acc
 
 
+def on_term(sig, frame):
+    raise SystemExit("e2e: signal %d: cleaning up" % sig)
+
+
 def main():
+    signal.signal(signal.SIGTERM, on_term)
     p = argparse.ArgumentParser()
     p.add_argument("--agent", required=True)
     p.add_argument("--train", required=True)
     p.add_argument("--data", default=os.environ.get("FASHION_MNIST",
                                                    "/usr/share/datasets/fashion-mnist"))
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--chaos-seed", type=int)
     p.add_argument("cases", nargs="+")
     a = p.parse_args()
     cases = []
@@ -600,11 +651,19 @@ def main():
             cases.append(c)
     env = Env(a)
     results = []
+    table = dict(SCENARIOS, **CHAOS)
     try:
-        ref = env.reference()
+        refs = {}
         for c in cases:
             name, _, mode = c.partition(":")
-            fn, modes = SCENARIOS[name]
+            if name not in table:
+                log("unknown scenario %s" % name)
+                return 2
+            epochs = CHAOS_EPOCHS if name in CHAOS else EPOCHS
+            if epochs not in refs:
+                refs[epochs] = env.reference(epochs)
+            ref = refs[epochs]
+            fn, modes = table[name]
             for m in ([mode] if mode else modes):
                 t = time.monotonic()
                 try:

@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""bench_recovery.py: time from a membership event to the first completed
+training step at the new size, for 4 agents on 127.0.0.1.
+
+Events: a worker SIGKILLed (size stays 4), an agent SIGKILLed with its worker
+(4 -> 3), an agent SIGTERMed (scale-down, 4 -> 3), a new agent (3 -> 4).
+Runs: ductile in place and by restart (--last-call 1 --lease-ttl 3), and
+torchrun (c10d rendezvous) with its defaults and with its fastest settings
+(last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=1),
+running the same MLP on the same data with PyTorch DDP (gloo). Every output
+line of every process is timestamped as it arrives; the clock starts when
+the event is injected and stops at the first "step" line printed by a
+process of the new size. Prints the median per cell and the ratios.
+"""
+import argparse
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Lines:
+    """Timestamped lines from all processes of one trial."""
+
+    def __init__(self):
+        self.mu = threading.Lock()
+        self.items = []
+
+    def pump(self, name, stream):
+        for raw in iter(stream.readline, b""):
+            t = time.monotonic()
+            with self.mu:
+                self.items.append((t, name, raw.decode(errors="replace").rstrip()))
+        stream.close()
+
+    def since(self, t0):
+        with self.mu:
+            return [x for x in self.items if x[0] >= t0]
+
+
+class Proc:
+    def __init__(self, name, cmd, lines, env=None):
+        self.name = name
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  start_new_session=True, env=env)
+        threading.Thread(target=lines.pump, args=(name, self.p.stdout), daemon=True).start()
+
+    def children(self):
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.p.pid)],
+                             capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
+
+    def tree(self):
+        pids, todo = [], [self.p.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)],
+                                 capture_output=True, text=True).stdout
+            todo += [int(x) for x in out.split()]
+        return pids
+
+    def kill_tree(self):
+        for pid in self.tree():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.p.wait()
+
+    def term(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+
+
+class Etcd:
+    def __init__(self, d):
+        self.port, peer = free_port(), free_port()
+        url, purl = "http://127.0.0.1:%d" % self.port, "http://127.0.0.1:%d" % peer
+        self.p = subprocess.Popen(
+            ["etcd", "--name", "b", "--data-dir", os.path.join(d, "etcd"),
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+             "--initial-cluster", "b=" + purl, "--log-level", "error", "--logger", "zap"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = url
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit("bench/recovery: etcd did not start")
+
+    def stop(self):
+        self.p.kill()
+        self.p.wait()
+
+
+class Ductile:
+    def __init__(self, a, mode, d, trial):
+        self.a, self.mode, self.d = a, mode, d
+        self.etcd = Etcd(d)
+        self.job = "rec-%s-%d" % (mode, trial)
+
+    def start(self, name, lines):
+        cmd = [self.a.agent, "--nnodes", "2:5", "--rdzv-endpoint", self.etcd.url,
+               "--rdzv-id", self.job, "--node-id", name, "--node-addr", "127.0.0.1",
+               "--lease-ttl", "3", "--last-call", "1", "--rebuild", self.mode,
+               "--max-restarts", "100", "--stop-grace", "3", "--", self.a.train,
+               "--data", self.a.data, "--limit-train", "6000", "--epochs", "1000",
+               "--batch-size", "64", "--threads", "1", "--log-every", "1",
+               "--checkpoint-dir", os.path.join(self.d, "ck"), "--checkpoint-every", "10"]
+        return Proc(name, cmd, lines)
+
+    def worker(self, proc):
+        return proc.children()
+
+    def new_size(self, line):
+        m = re.search(r"world (\d+)", line)
+        return int(m.group(1)) if m and "ductile-train" in line else None
+
+    def is_step(self, line):
+        return re.search(r"ductile-train: step \d+ ", line) is not None
+
+    def stop(self):
+        self.etcd.stop()
+
+
+class Torchrun:
+    def __init__(self, a, fast, d, trial):
+        self.a, self.fast, self.d = a, fast, d
+        self.port = free_port()
+        self.job = "rec-torch-%d" % trial
+
+    def start(self, name, lines):
+        cmd = [self.a.python, "-m", "torch.distributed.run", "--nnodes", "2:5",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "127.0.0.1:%d" % self.port, "--rdzv-id", self.job,
+               "--max-restarts", "100", "--local-addr", "127.0.0.1"]
+        if self.fast:
+            cmd += ["--monitor-interval", "0.1", "--rdzv-conf",
+                    "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=1"]
+        cmd += [os.path.join(self.a.here, "torch_mlp.py"), "--data", self.a.data,
+                "--checkpoint", os.path.join(self.d, "torch.ckpt")]
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        return Proc(name, cmd, lines, env)
+
+    def worker(self, proc):
+        return [p for p in proc.tree() if p != proc.p.pid]
+
+    def new_size(self, line):
+        m = re.match(r"world (\d+) resumed", line)
+        return int(m.group(1)) if m else None
+
+    def is_step(self, line):
+        return re.match(r"step \d+ world", line) is not None
+
+    def stop(self):
+        pass
+
+
+def wait_steps(lines, sys_, t0, n, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(1 for _, _, l in lines.since(t0) if sys_.is_step(l)) >= n:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def first_step_at(lines, sys_, t0, size, timeout):
+    """Seconds from t0 to the first step line, after a line announcing `size`,
+    from the same process."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sized = set()
+        for t, name, l in lines.since(t0):
+            if sys_.new_size(l) is not None:
+                if sys_.new_size(l) == size:
+                    sized.add(name)
+                else:
+                    sized.discard(name)
+            elif name in sized and sys_.is_step(l):
+                return t - t0
+        time.sleep(0.02)
+    return None
+
+
+def trial(a, kind, event, n):
+    d = tempfile.mkdtemp(prefix="bench-recovery-")
+    lines = Lines()
+    sys_ = {"inplace": lambda: Ductile(a, "inplace", d, n),
+            "restart": lambda: Ductile(a, "restart", d, n),
+            "torch": lambda: Torchrun(a, False, d, n),
+            "torch-fast": lambda: Torchrun(a, True, d, n)}[kind]()
+    procs = []
+    try:
+        start = 3 if event == "scale_up" else 4
+        for i in range(start):
+            procs.append(sys_.start("n%d" % i, lines))
+            time.sleep(0.3)
+        if not wait_steps(lines, sys_, 0, 30 * start, 300):
+            return None
+        time.sleep(1)
+        victim = procs[-1]
+        t0 = time.monotonic()
+        if event == "worker_kill":
+            size = 4
+            for pid in sys_.worker(victim)[:1]:
+                os.kill(pid, signal.SIGKILL)
+        elif event == "agent_kill":
+            size = 3
+            victim.kill_tree()
+        elif event == "scale_down":
+            size = 3
+            victim.term()
+        else:
+            size = 4
+            procs.append(sys_.start("n3", lines))
+        return first_step_at(lines, sys_, t0, size, 240)
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.kill_tree()
+        sys_.stop()
+        subprocess.run(["rm", "-rf", d])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--agent", required=True)
+    p.add_argument("--train", required=True)
+    p.add_argument("--python", required=True)
+    p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--events", default="worker_kill,agent_kill,scale_down,scale_up")
+    a = p.parse_args()
+    a.here = os.path.dirname(os.path.abspath(__file__))
+    kinds = ["inplace", "restart", "torch", "torch-fast"]
+    events = a.events.split(",")
+    res = {}
+    n = 0
+    for ev in events:
+        for k in kinds:
+            vals = []
+            for _ in range(a.repeats):
+                n += 1
+                v = trial(a, k, ev, n)
+                print("  %-11s %-10s %s" % (ev, k, "%.2f s" % v if v is not None else "no step"),
+                      flush=True)
+                if v is not None:
+                    vals.append(v)
+            res[(ev, k)] = statistics.median(vals) if vals else None
+
+    def f(v):
+        return "%7.2f" % v if v is not None else "      -"
+
+    def r(x, y):
+        return "%7.1fx" % (y / x) if x and y else "       -"
+    print()
+    print("time from the event to the first step at the new size, seconds (median of %d), "
+          "4 agents, 1 worker each, MLP, %d cores" % (a.repeats, os.cpu_count()))
+    print("%-11s %7s %7s %7s %7s  %8s %8s %8s" % ("event", "inplace", "restart", "torch",
+                                                 "t-fast", "tf/inpl", "tf/rest",
+                                                 "tdef/inpl"))
+    for ev in events:
+        v = [res[(ev, k)] for k in kinds]
+        print("%-11s %s %s %s %s %s %s %s" % (ev, f(v[0]), f(v[1]), f(v[2]), f(v[3]),
+                                            r(v[0], v[3]), r(v[1], v[3]), r(v[0], v[2])))
+    print("torch: torchrun c10d defaults; t-fast: last_call_timeout=1, keep_alive_interval=1, "
+          "keep_alive_max_attempt=1, --monitor-interval 0.1; ratios: torch time / ours")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
