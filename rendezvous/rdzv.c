@@ -308,9 +308,9 @@ static void *watcher_main(void *arg)
         }
         etcd_event *evs = NULL;
         size_t n = 0;
-        /* The timeout only bounds how long a stop request can go unseen;
-         * etcd_watch_wakeup normally cuts it short. */
-        etcd_err e = etcd_watch_next(w->w, 1000, &evs, &n);
+        /* A stop request cuts this short (etcd_watch_wakeup is never lost:
+         * it sets a flag the next wait sees); the timeout is only a bound. */
+        etcd_err e = etcd_watch_next(w->w, 30000, &evs, &n);
         if (e == ETCD_OK) {
             if (n > 0) {
                 if (w->tag == TAG_ROUND) cache_round(r, &evs[n - 1]);
