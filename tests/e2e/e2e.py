@@ -173,7 +173,9 @@ class Agent:
 class Job:
     """One training job: etcd, agents, the shared record file and checkpoint dir."""
 
-    def __init__(self, env, name, mode, nnodes="2:4", epochs=EPOCHS, etcd=None, extra=()):
+    def __init__(self, env, name, mode, nnodes="2:4", epochs=EPOCHS, etcd=None, extra=(),
+                 ttl=3):
+        self.ttl = ttl
         self.env = env
         self.name = name
         self.mode = mode
@@ -206,7 +208,7 @@ class Job:
         cmd = list(prefix) + [
             self.env.agent, "--nnodes", nnodes or self.nnodes,
             "--rdzv-endpoint", endpoint or self.etcd.endpoint, "--rdzv-id", self.job,
-            "--node-id", node_id or name, "--node-addr", "127.0.0.1", "--lease-ttl", "3",
+            "--node-id", node_id or name, "--node-addr", "127.0.0.1", "--lease-ttl", str(self.ttl),
             "--last-call", "1", "--rebuild", self.mode, "--max-restarts", "1000",
             "--stop-grace", "3", "--shutdown-timeout", "20", "--"] + self.train_args(ckpt)
         a = Agent(self.job, name, cmd, self.dir)
@@ -416,7 +418,9 @@ def sc_etcd_restart(env, mode, ref):
 
 
 def sc_etcd_pause(env, mode, ref):
-    job = env.job("etcd-pause-" + mode, mode)
+    # An agent whose lease expires is out of the job (it exits 1), so the
+    # lease TTL must outlast the outage: 15 s here for a 10 s outage.
+    job = env.job("etcd-pause-" + mode, mode, ttl=15)
     try:
         start_three(job)
         log("etcd unreachable for 10 s (SIGSTOP)")
@@ -516,22 +520,31 @@ def sc_netns(env, mode, ref):
         try:
             # The three root-namespace agents reach each other on 127.0.0.1 and
             # the namespaced node on the veth: their ring listens on host_ip.
-            job.extra = ["--host", host_ip]
-            for _ in range(2):
-                job.start()
+            # The cut node joins first: rank 0 of round 1, the one that saves.
             job.extra = ["--host", ns_ip]
             cut = job.start(name="cut", endpoint="http://%s:%d" % (host_ip, etcd.port),
                             prefix=["ip", "netns", "exec", ns])
+            time.sleep(0.5)
             job.extra = ["--host", host_ip]
+            for _ in range(2):
+                job.start()
             job.wait_step(10)
-            log("link of node 'cut' down for 12 s")
+            check(re.search(r"\[0\] ductile-train: checkpoint", cut.text()),
+                  "the node to cut off is not the one saving checkpoints")
+            log("link of node 'cut' down")
+            mark = len(cut.text())
             ip("link", "set", vh, "down")
-            job.wait_round(job.agents["n1"], 2, timeout=60)
+            job.wait_round(job.agents["n2"], 2, timeout=60)
             time.sleep(4)
+            log("link of node 'cut' up again")
             ip("link", "set", vh, "up")
             verify(job, ref, expect_fail=("cut",))
-            text = cut.text()
-            check(not re.search(r"ckpt-r1-", text), "the cut-off node saved a round-1 checkpoint")
+            after = cut.text()[mark:]
+            check("ductile-train: checkpoint" not in after,
+                  "the cut-off node saved a checkpoint after it was cut off")
+            rounds = [int(m) for m in re.findall(r"ckpt-r(\d+)-", " ".join(os.listdir(job.ck)))]
+            check(rounds and min(rounds) >= 2, "checkpoints of round 1 left: %s" % rounds)
+            log("cut-off node: %s" % tail(after, 1))
         finally:
             job.cleanup()
             etcd.stop()
