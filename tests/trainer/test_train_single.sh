@@ -104,6 +104,14 @@ else
     echo "SKIP full-disk case: cannot mount a tmpfs here"
 fi
 
+echo "== options from DUCTILE_TRAIN_* variables; a flag wins over its variable"
+env DUCTILE_TRAIN_MAX_STEPS=3 DUCTILE_TRAIN_LIMIT_TRAIN=256 DUCTILE_TRAIN_LIMIT_TEST=64 \
+    DUCTILE_TRAIN_BATCH_SIZE=100 DUCTILE_TRAIN_NO_OVERLAP=1 "$TRAIN" --data "$FASHION_MNIST" \
+    --batch-size 16 --summary "$tmp/env.json" >/dev/null || bad "env run"
+[ "$(json "$tmp/env.json" steps)" = 3 ] && [ "$(json "$tmp/env.json" batch_size)" = 16 ] &&
+    [ "$(json "$tmp/env.json" overlap)" = False ] ||
+    bad "env options: steps $(json "$tmp/env.json" steps), batch $(json "$tmp/env.json" batch_size)"
+
 echo "== cnn"
 T --model cnn --limit-train 128 --limit-test 64 --epochs 1 --batch-size 32 \
     --summary "$tmp/cnn.json" >/dev/null || bad "cnn run"
