@@ -125,6 +125,14 @@ static int mesh_open(int rank)
     return fd;
 }
 
+/* Under ASan a SIGSEGV or abort() would become "exit 1"; the crash tests need
+ * the worker to die by the signal itself, as it would in production. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void)
+{
+    return "handle_segv=0:handle_abort=0";
+}
+
 int main(void)
 {
     const char *dir = getenv("AGENT_TEST_DIR");
