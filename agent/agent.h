@@ -67,6 +67,7 @@ typedef struct agent_round_env {
     int local_world_size;
     const char *master_addr;
     int master_port;
+    const char *node_addr; /* this node's address: workers listen there */
     int64_t restarts;
     int max_restarts;
     const char *job;

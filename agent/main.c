@@ -809,6 +809,7 @@ static void start_round(agent *a, rdzv_round *r)
                            .local_world_size = a->o->nproc,
                            .master_addr = maddr,
                            .master_port = mport,
+                           .node_addr = a->o->node_addr,
                            .restarts = rd->restarts,
                            .max_restarts = rd->max_restarts,
                            .job = a->o->job,

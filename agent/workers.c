@@ -45,6 +45,7 @@ static const char *const agent_env_names[] = {
     "DUCTILE_ROUND",
     "DUCTILE_STORE_PREFIX",
     "DUCTILE_CONTROL_FD",
+    "DUCTILE_NODE_ADDR",
     NULL,
 };
 
@@ -127,6 +128,7 @@ static char **env_build(const agent_round_env *r, int lr)
     bad |= env_add(env, &n, "DUCTILE_ROUND", "%lld", (long long)r->round);
     bad |= env_add(env, &n, "DUCTILE_STORE_PREFIX", "%s", r->store_prefix);
     bad |= env_add(env, &n, "DUCTILE_CONTROL_FD", "3");
+    if (r->node_addr) bad |= env_add(env, &n, "DUCTILE_NODE_ADDR", "%s", r->node_addr);
     /* One thread per worker unless the user chose: K workers share the node. */
     if (r->local_world_size > 1 && !env_has(env, n, "OMP_NUM_THREADS"))
         bad |= env_add(env, &n, "OMP_NUM_THREADS", "1");

@@ -265,6 +265,7 @@ def case_env_and_finish(job):
             "DUCTILE_JOB": job.name, "DUCTILE_ROUND": str(rnd),
             "DUCTILE_STORE_PREFIX": "/ductile/%s/rounds/%d/store/" % (job.name, rnd),
             "DUCTILE_CONTROL_FD": "3", "TEST_CONTROL_FD_OPEN": "1",
+            "DUCTILE_NODE_ADDR": "127.0.0.1",
         }
         for k, v in expect.items():
             check(w.get(k) == v, "rank %d: %s=%r, want %r" % (rank, k, w.get(k), v))
