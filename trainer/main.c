@@ -919,7 +919,8 @@ static void trainer_regroup(trainer *t, const char *why)
 {
     char msg[256];
     int64_t start_step = t->start_step, start_samples = t->start_samples;
-    if (!elastic_ending(t->el) && strcmp(why, "boundary") != 0) elastic_report_failed(t->el, why);
+    if (!elastic_ending(t->el) && strcmp(why, "at a step boundary") != 0)
+        elastic_report_failed(t->el, why);
     for (;;) {
         elastic_attach(t->el, NULL, t->g.round);
         ddp_reducer_free(t->r);
@@ -970,16 +971,19 @@ static void trainer_regroup(trainer *t, const char *why)
 /* Elastic mode, after a step every rank agreed to stop after: at the job's
  * end, or for a rank asked to leave (it goes without evaluating: the
  * others carry on), 0; otherwise the round ends at this step boundary (a
- * peer leaves or a node joins): checkpoint, rebuild, 1. */
-static int trainer_boundary(trainer *t, int64_t *evaluated)
+ * peer leaves or a node joins): checkpoint, rebuild (unless already rebuilt
+ * after this step), 1. */
+static int trainer_boundary(trainer *t, int64_t *evaluated, int rebuilt)
 {
     if (t->st.epoch >= t->o.epochs || (t->o.max_steps && t->st.step >= t->o.max_steps)) return 0;
     if (stop_signal) {
         *evaluated = t->st.step;
         return 0;
     }
-    save_checkpoint(t);
-    trainer_regroup(t, "boundary");
+    if (!rebuilt) {
+        save_checkpoint(t);
+        trainer_regroup(t, "at a step boundary");
+    }
     return 1;
 }
 
@@ -1024,14 +1028,21 @@ int main(int argc, char **argv)
             break;
         }
         log_progress(&t);
+        int rebuilt = 0;
         if (epoch_ended) {
             failed = evaluate(&t, &acc) != 0;
             evaluated = t.st.step;
+            if (failed && t.el) { /* the step stands: rebuild, score it at the end */
+                trainer_regroup(&t, "evaluation failed");
+                failed = 0;
+                evaluated = -1;
+                rebuilt = 1;
+            }
             say(&t, "epoch %lld test_accuracy %.4f at %.1f s", (long long)t.st.epoch, acc,
                 now_s() - t0);
         }
         if (stop) why = stop_reason(&t);
-        if (stop && t.el && trainer_boundary(&t, &evaluated)) {
+        if (stop && t.el && trainer_boundary(&t, &evaluated, rebuilt)) {
             stop = 0;
             why = "epochs";
             continue;
