@@ -127,6 +127,8 @@ static void usage(FILE *f)
         "  --limit-train N        train on the first N samples only\n"
         "  --limit-test N         evaluate on the first N test samples only\n"
         "  --record-samples FILE  test mode: append 'epoch sample step rank' per committed sample\n"
+        "                         (under ductile-agent: 'epoch sample step rank round' per sample\n"
+        "                         trained, written before its gradients leave)\n"
         "  --dump-params FILE     test mode: rank 0 writes the final parameters as raw floats\n"
         "  --no-overlap           all-reduce after backward instead of during it\n"
         "  --threads N            BLAS threads (cores / LOCAL_WORLD_SIZE)\n"
