@@ -9,6 +9,7 @@ process resumes from it when torchrun restarts the workers. Every rank
 prints "step N world W" after each step, which the bench timestamps.
 """
 import argparse
+import datetime
 import gzip
 import os
 
@@ -37,7 +38,9 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # A generous connect deadline: on 2 busy cores a restarted peer can take
+    # several seconds to import torch and listen.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     x = idx(os.path.join(a.data, "train-images-idx3-ubyte.gz"))[:a.limit_train]
     y = idx(os.path.join(a.data, "train-labels-idx1-ubyte.gz"))[:a.limit_train]
