@@ -305,6 +305,9 @@ def accounting(rec, n, epochs):
 
 def verify(job, ref, expect_fail=(), timeout=300):
     job.finish(timeout, expect_fail)
+    for a in job.agents.values():
+        m = re.search(r".*(Sanitizer|runtime error:).*", a.text())
+        check(not m, "agent %s: %s" % (a.name, m and m.group(0)))
     nrec, nrounds = accounting(job.rec, TRAIN_N, job.epochs)
     acc = job.accuracy()
     log("%s: %d records over %d rounds, accuracy %.4f (reference %.4f)" %
