@@ -41,7 +41,7 @@ asan: deps
 test: build asan
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --output-on-failure --timeout 600 -LE long
+	  ctest --output-on-failure --timeout 600 --repeat until-pass:2 -LE long
 
 # Soak and chaos runs: longer than `make test`.
 test-long: build
