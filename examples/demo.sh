@@ -14,7 +14,7 @@ with_etcd="$build/tests/with-etcd"
 agent="$build/agent/ductile-agent"
 train="$build/trainer/ductile-train"
 data=${FASHION_MNIST:-/usr/share/datasets/fashion-mnist}
-epochs=${DEMO_EPOCHS:-30}
+epochs=${DEMO_EPOCHS:-40}
 for exe in "$with_etcd" "$agent" "$train"; do
     if [ ! -x "$exe" ]; then
         echo "demo: $exe not found; build first (cmake --build $build)" >&2
