@@ -528,6 +528,7 @@ typedef struct agent {
     agent_opts *o;
     agent_logger lg;
     rdzv_etcd etcd;
+    rdzv_config cfg; /* kept to register again after a lost lease */
     rdzv *rz;
     agent_http *http;
     agent_standalone sa;
@@ -868,6 +869,54 @@ static void describe_end(const rdzv_event *ev, char *out, size_t len)
     }
 }
 
+/* The round this node was in is over: in place, the workers abort their
+ * collectives and wait for the next round; by restart, they are stopped. */
+static void leave_round(agent *a, int64_t round_number)
+{
+    a->in_round = 0;
+    if (a->state != AGENT_RUNNING) return;
+    if (a->o->inplace) {
+        agent_ctl_msg m = {.type = AGENT_CTL_ABORT, .round = round_number};
+        for (int i = 0; i < a->ws.n; i++)
+            if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+        a->state = AGENT_RDZV;
+    } else {
+        a->state = AGENT_STOPPING;
+        a->exit_after_stop = -1;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) on_workers_gone(a);
+    }
+}
+
+/* This node's lease expired (etcd was unreachable past the TTL, or the node
+ * was stalled or cut off): the others have gone on without it, but the job
+ * has not ended. Register again under a new lease and join the next round
+ * as a newcomer; the old round is over for this node, and its workers never
+ * write as that round again (the store and checkpoints are fenced). Returns
+ * 0 when registering again fails, and the caller gives up as before. */
+static int rejoin(agent *a, const rdzv_event *ev)
+{
+    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
+        return 0;
+    rdzv *fresh = NULL;
+    char msg[256] = "";
+    rdzv_err err = rdzv_open(&a->cfg, &fresh, msg);
+    if (err != RDZV_OK) {
+        agent_log(&a->lg, "rejoin_failed", "lease lost (%s) and could not register again: %s%s%s",
+                  ev->reason, rdzv_strerror(err), msg[0] ? ": " : "", msg);
+        return 0;
+    }
+    rdzv_close(a->rz);
+    a->rz = fresh;
+    a->changes[RDZV_CAUSE_MEMBER_LOST]++;
+    agent_log(&a->lg, "rejoin",
+              "round %lld left: lease lost (%s); registered again, joining the next round",
+              (long long)a->round.number, ev->reason);
+    snprintf(a->why, sizeof(a->why), "this node's lease was lost and it joined again");
+    leave_round(a, a->round.number);
+    return 1;
+}
+
 static void on_event(agent *a, rdzv_event *ev)
 {
     char what[400];
@@ -898,19 +947,7 @@ static void on_event(agent *a, rdzv_event *ev)
         describe_end(ev, what, sizeof(what));
         agent_log(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
         snprintf(a->why, sizeof(a->why), "%s", what);
-        a->in_round = 0;
-        if (a->state != AGENT_RUNNING) break;
-        if (a->o->inplace) {
-            agent_ctl_msg m = {.type = AGENT_CTL_ABORT, .round = ev->round_number};
-            for (int i = 0; i < a->ws.n; i++)
-                if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
-            a->state = AGENT_RDZV;
-        } else {
-            a->state = AGENT_STOPPING;
-            a->exit_after_stop = -1;
-            stop_workers(a, a->o->stop_grace_ms);
-            if (!workers_alive(a)) on_workers_gone(a);
-        }
+        leave_round(a, ev->round_number);
         break;
     case RDZV_EV_SPARE:
         agent_log(&a->lg, "spare", "the round is full: waiting as a hot spare");
@@ -927,6 +964,7 @@ static void on_event(agent *a, rdzv_event *ev)
         break;
     case RDZV_EV_JOB_FAILED:
     case RDZV_EV_ERROR:
+        if (ev->type == RDZV_EV_ERROR && ev->err == RDZV_ERR_LEASE_LOST && rejoin(a, ev)) break;
         if (ev->type == RDZV_EV_JOB_FAILED)
             snprintf(a->why, sizeof(a->why), "job failed: %s", ev->reason);
         else
@@ -1212,23 +1250,23 @@ int main(int argc, char **argv)
     }
     publish(&a);
 
-    rdzv_config cfg = {.etcd = a.etcd,
-                       .job = opts.job,
-                       .node_id = opts.node_id,
-                       .addr = opts.node_addr,
-                       .local_world_size = opts.nproc,
-                       .min_nodes = opts.min_nodes,
-                       .max_nodes = opts.max_nodes,
-                       .last_call_ms = opts.last_call_ms,
-                       .lease_ttl_s = opts.lease_ttl_s,
-                       .join_timeout_ms = opts.join_timeout_ms,
-                       .max_restarts = opts.max_restarts};
+    a.cfg = (rdzv_config){.etcd = a.etcd,
+                          .job = opts.job,
+                          .node_id = opts.node_id,
+                          .addr = opts.node_addr,
+                          .local_world_size = opts.nproc,
+                          .min_nodes = opts.min_nodes,
+                          .max_nodes = opts.max_nodes,
+                          .last_call_ms = opts.last_call_ms,
+                          .lease_ttl_s = opts.lease_ttl_s,
+                          .join_timeout_ms = opts.join_timeout_ms,
+                          .max_restarts = opts.max_restarts};
     agent_log(&a.lg, "start",
               "joining job %s at %s as node %s (%s), %d workers, nodes %d:%d, rebuild %s", opts.job,
               a.etcd.endpoints, opts.node_id, opts.node_addr, opts.nproc, opts.min_nodes,
               opts.max_nodes, opts.inplace ? "inplace" : "restart");
     msg[0] = 0;
-    rdzv_err err = rdzv_open(&cfg, &a.rz, msg);
+    rdzv_err err = rdzv_open(&a.cfg, &a.rz, msg);
     if (err == RDZV_ERR_JOB_DONE) {
         agent_log(&a.lg, "exit", "exiting with code 0: job %s is already complete", opts.job);
         a.rz = NULL;
