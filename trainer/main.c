@@ -1022,8 +1022,11 @@ int main(int argc, char **argv)
         ckpt_state before = t.st;
         if (train_step(&t, want, &stop, &epoch_ended) != 0) {
             if (t.el) { /* discard the partial step, rebuild, go on */
+                char why[200];
+                snprintf(why, sizeof(why), "a step failed: %.170s",
+                         t.r ? ddp_last_error(t.r) : "no group");
                 t.st = before;
-                trainer_regroup(&t, "a step failed");
+                trainer_regroup(&t, why);
                 continue;
             }
             failed = 1;
