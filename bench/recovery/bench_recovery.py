@@ -23,14 +23,8 @@ import sys
 import tempfile
 import threading
 import time
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../tests/harness"))
+from testlib import free_port  # noqa: E402
 
 
 class Lines:

@@ -24,36 +24,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../harness"))
+from testlib import Fail, check, free_port, wait_for  # noqa: E402
 
 ARGS = None
 ETCD = os.environ.get("DUCTILE_TEST_ETCD", "")
-
-
-class Fail(Exception):
-    pass
-
-
-def check(cond, what):
-    if not cond:
-        raise Fail(what)
-
-
-def wait_for(pred, timeout, what, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    raise Fail("timed out after %.0f s waiting for %s" % (timeout, what))
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Agent:

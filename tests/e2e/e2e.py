@@ -40,6 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../harness"))
+from testlib import Fail, check, free_port  # noqa: E402
+from testlib import wait_for as _wait_for  # noqa: E402
+
+
+def wait_for(pred, timeout, what, step=0.1):
+    return _wait_for(pred, timeout, what, step)
+
 
 TRAIN_N = 6000
 EPOCHS = 25
@@ -54,35 +62,8 @@ def log(*a):
 T0 = time.monotonic()
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 class Skip(Exception):
     pass
-
-
-class Fail(Exception):
-    pass
-
-
-def check(cond, what):
-    if not cond:
-        raise Fail(what)
-
-
-def wait_for(pred, timeout, what, step=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    raise Fail("timed out after %.0f s waiting for %s" % (timeout, what))
 
 
 class Etcd:
