@@ -22,7 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../agent/control.h"
+#include "control.h" /* the agent's public header: the control protocol */
 
 struct elastic {
     int fd;
