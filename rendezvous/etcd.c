@@ -25,6 +25,7 @@
  */
 #include "etcd.h"
 #include "etcd_internal.h"
+#include "failpoint.h"
 
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
@@ -626,6 +627,7 @@ struct etcd_client {
     conn k;
     int cfg_timeout_ms;
     int timeout_ms;
+    char name[32]; /* for failpoints: etcd.<name>.<op> */
 };
 
 static etcd_err client_new(const etcd_config *cfg, etcd_client **out, char *err, size_t errlen)
@@ -652,6 +654,7 @@ static etcd_err client_new(const etcd_config *cfg, etcd_client **out, char *err,
     }
     c->cfg_timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : DEFAULT_TIMEOUT_MS;
     c->timeout_ms = c->cfg_timeout_ms;
+    etcd_client_set_name(c, NULL);
     *out = c;
     return ETCD_OK;
 err:
@@ -688,11 +691,51 @@ void etcd_set_timeout(etcd_client *c, int timeout_ms)
     c->timeout_ms = timeout_ms > 0 ? timeout_ms : c->cfg_timeout_ms;
 }
 
-/* Serialize req (consumed) and make the call. */
-static etcd_err client_call(etcd_client *c, const char *path, cJSON *req, size_t limit, int flags,
-                            buf *ans)
+void etcd_client_set_name(etcd_client *c, const char *name)
+{
+    snprintf(c->name, sizeof(c->name), "%s", name && *name ? name : "client");
+}
+
+/* The action of failpoint etcd.<client name>.<op> for this call:
+ * "unavailable", "ambiguous" (failpoint.h), or NULL. "sleep:MS" stalls the
+ * call here and lets it go on; other actions mean nothing here and never
+ * fire. */
+static const char *client_failpoint(const etcd_client *c, const char *op)
+{
+    char name[96];
+    snprintf(name, sizeof(name), "etcd.%s.%s", c->name, op);
+    const char *action = failpoint(name);
+    if (failpoint_sleep(action)) return NULL;
+    if (action && strcmp(action, "unavailable") != 0 && strcmp(action, "ambiguous") != 0)
+        return NULL;
+    return action;
+}
+
+/* A failpoint "unavailable": the call fails before it is sent. */
+static etcd_err failpoint_unavailable(etcd_client *c, const char *path)
+{
+    conn_seterr(&c->k, "%s: failpoint: unavailable", path);
+    return ETCD_ERR_UNAVAILABLE;
+}
+
+/* A failpoint "ambiguous": etcd answered, the answer is dropped, and the
+ * caller hears what it hears when a connection breaks after sending. */
+static etcd_err failpoint_ambiguous(etcd_client *c, const char *path)
+{
+    conn_seterr(&c->k, "%s: answer dropped; the request may have been applied (failpoint)", path);
+    return ETCD_ERR_UNAVAILABLE;
+}
+
+/* Serialize req (consumed) and make the call; op names its failpoint. */
+static etcd_err client_call(etcd_client *c, const char *op, const char *path, cJSON *req,
+                            size_t limit, int flags, buf *ans)
 {
     c->k.err[0] = 0;
+    const char *fp = client_failpoint(c, op);
+    if (fp && strcmp(fp, "unavailable") == 0) {
+        cJSON_Delete(req);
+        return failpoint_unavailable(c, path);
+    }
     if (!req) return ETCD_ERR_NOMEM;
     char *body = cJSON_PrintUnformatted(req);
     cJSON_Delete(req);
@@ -706,7 +749,7 @@ static etcd_err client_call(etcd_client *c, const char *path, cJSON *req, size_t
         e = conn_call(&c->k, path, body, limit, flags, now_ms() + c->timeout_ms, ans);
     }
     free(body);
-    return e;
+    return e == ETCD_OK && fp ? failpoint_ambiguous(c, path) : e;
 }
 
 /* ---- request building ---- */
@@ -779,7 +822,7 @@ etcd_err etcd_range(etcd_client *c, const char *key, int prefix, int64_t limit,
         return ETCD_ERR_NOMEM;
     }
     buf ans = {0};
-    e = client_call(c, "/v3/kv/range", req, ETCD_MAX_BIG_ANSWER, CALL_IDEMPOTENT, &ans);
+    e = client_call(c, "range", "/v3/kv/range", req, ETCD_MAX_BIG_ANSWER, CALL_IDEMPOTENT, &ans);
     if (e == ETCD_OK) e = etcd_parse_range(ans.p, ans.len, out, c->k.err, sizeof(c->k.err));
     buf_free(&ans);
     return e;
@@ -823,7 +866,7 @@ etcd_err etcd_put(etcd_client *c, const char *key, const void *value, size_t len
         return ETCD_ERR_NOMEM;
     }
     buf ans = {0};
-    e = client_call(c, "/v3/kv/put", req, ETCD_MAX_SMALL_ANSWER, 0, &ans);
+    e = client_call(c, "put", "/v3/kv/put", req, ETCD_MAX_SMALL_ANSWER, 0, &ans);
     if (e == ETCD_OK)
         e = etcd_parse_header(ans.p, ans.len, revision, NULL, c->k.err, sizeof(c->k.err));
     buf_free(&ans);
@@ -840,7 +883,7 @@ etcd_err etcd_delete(etcd_client *c, const char *key, int prefix, int64_t *delet
         return ETCD_ERR_NOMEM;
     }
     buf ans = {0};
-    e = client_call(c, "/v3/kv/deleterange", req, ETCD_MAX_SMALL_ANSWER, 0, &ans);
+    e = client_call(c, "delete", "/v3/kv/deleterange", req, ETCD_MAX_SMALL_ANSWER, 0, &ans);
     if (e == ETCD_OK)
         e = etcd_parse_header(ans.p, ans.len, NULL, deleted, c->k.err, sizeof(c->k.err));
     buf_free(&ans);
@@ -977,7 +1020,8 @@ etcd_err etcd_txn(etcd_client *c, const etcd_cmp *cmps, size_t ncmp, const etcd_
         return ETCD_ERR_NOMEM;
     }
     buf ans = {0};
-    e = client_call(c, "/v3/kv/txn", req, ETCD_MAX_BIG_ANSWER, writes ? 0 : CALL_IDEMPOTENT, &ans);
+    e = client_call(c, "txn", "/v3/kv/txn", req, ETCD_MAX_BIG_ANSWER, writes ? 0 : CALL_IDEMPOTENT,
+                    &ans);
     etcd_txn_result r;
     if (e == ETCD_OK) e = etcd_parse_txn(ans.p, ans.len, &r, c->k.err, sizeof(c->k.err));
     buf_free(&ans);
@@ -997,14 +1041,15 @@ etcd_err etcd_txn(etcd_client *c, const etcd_cmp *cmps, size_t ncmp, const etcd_
 
 /* ---- leases ---- */
 
-static etcd_err lease_call(etcd_client *c, const char *path, const char *field, int64_t v, buf *ans)
+static etcd_err lease_call(etcd_client *c, const char *op, const char *path, const char *field,
+                           int64_t v, buf *ans)
 {
     cJSON *req = cJSON_CreateObject();
     if (req && !add_int64(req, field, v)) {
         cJSON_Delete(req);
         return ETCD_ERR_NOMEM;
     }
-    return client_call(c, path, req, ETCD_MAX_SMALL_ANSWER, CALL_IDEMPOTENT, ans);
+    return client_call(c, op, path, req, ETCD_MAX_SMALL_ANSWER, CALL_IDEMPOTENT, ans);
 }
 
 etcd_err etcd_lease_grant(etcd_client *c, int64_t ttl_s, int64_t *id)
@@ -1017,7 +1062,7 @@ etcd_err etcd_lease_grant(etcd_client *c, int64_t ttl_s, int64_t *id)
     /* sent again after a lost answer, a grant leaves at worst an unused
      * lease that expires by itself */
     buf ans = {0};
-    etcd_err e = lease_call(c, "/v3/lease/grant", "TTL", ttl_s, &ans);
+    etcd_err e = lease_call(c, "lease_grant", "/v3/lease/grant", "TTL", ttl_s, &ans);
     int64_t ttl;
     if (e == ETCD_OK) e = etcd_parse_lease(ans.p, ans.len, 0, id, &ttl, c->k.err, sizeof(c->k.err));
     buf_free(&ans);
@@ -1027,7 +1072,7 @@ etcd_err etcd_lease_grant(etcd_client *c, int64_t ttl_s, int64_t *id)
 etcd_err etcd_lease_keepalive(etcd_client *c, int64_t id, int64_t *ttl_left)
 {
     buf ans = {0};
-    etcd_err e = lease_call(c, "/v3/lease/keepalive", "ID", id, &ans);
+    etcd_err e = lease_call(c, "keepalive", "/v3/lease/keepalive", "ID", id, &ans);
     int64_t rid, ttl = 0;
     if (e == ETCD_OK)
         e = etcd_parse_lease(ans.p, ans.len, 1, &rid, &ttl, c->k.err, sizeof(c->k.err));
@@ -1043,7 +1088,7 @@ etcd_err etcd_lease_keepalive(etcd_client *c, int64_t id, int64_t *ttl_left)
 etcd_err etcd_lease_revoke(etcd_client *c, int64_t id)
 {
     buf ans = {0};
-    etcd_err e = lease_call(c, "/v3/lease/revoke", "ID", id, &ans);
+    etcd_err e = lease_call(c, "lease_revoke", "/v3/lease/revoke", "ID", id, &ans);
     if (e == ETCD_OK) e = etcd_parse_header(ans.p, ans.len, NULL, NULL, c->k.err, sizeof(c->k.err));
     buf_free(&ans);
     return e;
@@ -1148,11 +1193,20 @@ static etcd_err stream_start(etcd_watch *w)
     if (!body) return ETCD_ERR_NOMEM;
     w->stream = curl_easy_init();
     etcd_err e = w->stream ? conn_setup(&w->k, w->stream, "/v3/watch", &w->hdrs) : ETCD_ERR_NOMEM;
+    /* clientv3's WithRequireLeader: the gateway passes Grpc-Metadata-* on as
+     * gRPC metadata, and with "hasleader" a member that has no leader
+     * refuses the watch, or cancels it once it has lost its leader for three
+     * election timeouts (cut off from its peers, it would otherwise keep the
+     * stream open and silent, while the others move on) */
+    struct curl_slist *l =
+        e == ETCD_OK ? curl_slist_append(w->hdrs, "Grpc-Metadata-Hasleader: true") : NULL;
+    if (e == ETCD_OK && !l) e = ETCD_ERR_NOMEM;
     if (e != ETCD_OK) {
         free(body);
         stream_stop(w);
         return e;
     }
+    curl_easy_setopt(w->stream, CURLOPT_HTTPHEADER, l);
     curl_easy_setopt(w->stream, CURLOPT_COPYPOSTFIELDS, body);
     free(body);
     curl_easy_setopt(w->stream, CURLOPT_WRITEFUNCTION, stream_write);
@@ -1298,6 +1352,8 @@ static void split_messages(etcd_watch *w)
 static void stream_done(etcd_watch *w, CURLcode cc)
 {
     const char *ep = w->k.endpoints[w->k.cur];
+    int code;
+    char msg[200];
     if (cc == CURLE_WRITE_ERROR && w->in.over) {
         conn_seterr(&w->k, "watch stream from %s: message larger than %zu bytes", ep, w->in.limit);
         w->pending = ETCD_ERR_TOO_LARGE;
@@ -1310,8 +1366,6 @@ static void stream_done(etcd_watch *w, CURLcode cc)
         return;
     }
     if (cc == CURLE_OK && w->status != 200) {
-        int code;
-        char msg[200];
         if (!etcd_parse_error(w->in.p ? w->in.p : "", w->in.len, &code, msg, sizeof(msg))) {
             code = -1;
             snprintf(msg, sizeof(msg), "HTTP %ld without an etcd error body", w->status);
@@ -1325,6 +1379,14 @@ static void stream_done(etcd_watch *w, CURLcode cc)
             watch_die(w, code < 0 ? ETCD_ERR_PROTOCOL : map_grpc(code, msg, (int)w->status));
             return;
         }
+    } else if (cc == CURLE_OK && w->in.len &&
+               etcd_parse_error(w->in.p, w->in.len, &code, msg, sizeof(msg))) {
+        /* etcd ended the stream with an error (a member without a leader
+         * cancels the watch: code 14, "etcdserver: no leader"), which the
+         * gateway writes without the newline that ends other messages */
+        handle_msg(w, w->in.p, w->in.len);
+        if (!w->stream) return; /* down (14: on to the next endpoint) or over */
+        conn_seterr(&w->k, "watch stream from %s ended after an error", ep);
     } else if (cc == CURLE_OK) {
         conn_seterr(&w->k, "watch stream from %s ended%s", ep,
                     w->in.len ? " in the middle of a message" : "");
@@ -1403,6 +1465,9 @@ etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t st
         conn_seterr(&c->k, "negative watch start revision");
         return ETCD_ERR_ARG;
     }
+    c->k.err[0] = 0;
+    const char *fp = client_failpoint(c, "watch");
+    if (fp && strcmp(fp, "unavailable") == 0) return failpoint_unavailable(c, "/v3/watch");
     etcd_watch *w = calloc(1, sizeof(*w));
     if (!w) return ETCD_ERR_NOMEM;
     atomic_init(&w->woken, 0);
@@ -1428,6 +1493,10 @@ etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t st
         conn_seterr(&w->k, "watch %s: not created before the deadline; last: %s", key, why);
     }
     if (e != ETCD_OK) goto err;
+    if (fp) {
+        etcd_watch_close(w);
+        return failpoint_ambiguous(c, "/v3/watch");
+    }
     *out = w;
     return ETCD_OK;
 err:

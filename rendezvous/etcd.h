@@ -59,6 +59,14 @@ void etcd_client_free(etcd_client *c);
 const char *etcd_last_error(const etcd_client *c);
 /* Change the deadline of later calls (0 restores the configured one). */
 void etcd_set_timeout(etcd_client *c, int timeout_ms);
+/* Names the client for failpoints (failpoint.h): each call that gets past
+ * its argument checks counts once (not once per retry) as failpoint
+ * etcd.<name>.<op>, op one of range (etcd_get too), put, delete, txn,
+ * lease_grant, keepalive, lease_revoke, watch (etcd_watch_open; a watch
+ * takes its client's name). "unavailable" fails the call unsent;
+ * "ambiguous" sends it and drops the answer (ETCD_ERR_UNAVAILABLE, "may
+ * have been applied (failpoint)"). NULL or "" means "client", the default. */
+void etcd_client_set_name(etcd_client *c, const char *name);
 
 typedef struct etcd_kv {
     char *key;   /* NUL-terminated; keys here are text */
@@ -153,7 +161,10 @@ etcd_err etcd_lease_revoke(etcd_client *c, int64_t id);
  * order. start_revision 0 means "from now". A broken stream is resumed from
  * the revision after the last event seen, on any endpoint; compaction of that
  * revision is reported as ETCD_ERR_COMPACTED (etcd_watch_revision then tells
- * the compact revision). */
+ * the compact revision). Watches require a leader (clientv3's
+ * WithRequireLeader): a member cut off from its peers cancels the stream
+ * ("no leader") instead of going silent, and the watch resumes on the next
+ * endpoint. */
 typedef enum { ETCD_EVENT_PUT, ETCD_EVENT_DELETE } etcd_event_type;
 
 typedef struct etcd_event {

@@ -5,13 +5,17 @@
  * also compares the job's `epoch` key with N, so once round N+1 is opened
  * (which writes epoch N+1 in the same txn as the round record) no write of
  * round N can land. Reads need no fence: round N's keys only ever hold what
- * round N wrote. Waiting is a watch on the one key, never a polling loop.
+ * round N wrote. Waiting is a watch on the one key, never a polling loop,
+ * and a second watch on `epoch`: once a later round is opened the key can
+ * never appear, so the wait ends at once with RDZV_ERR_FENCED.
  */
 #include "rdzv_internal.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +47,12 @@ static rdzv_err etcd_fail(rdzv_store *s, etcd_err e, const char *what)
                 etcd_strerror(e), etcd_last_error(s->c));
 }
 
+static rdzv_err watch_fail(rdzv_store *s, etcd_err e, const char *what, const etcd_watch *w)
+{
+    return fail(s, e == ETCD_ERR_TIMEOUT ? RDZV_ERR_TIMEOUT : RDZV_ERR_ETCD, "%s: %s (%s)", what,
+                etcd_strerror(e), etcd_watch_last_error(w));
+}
+
 static int store_key(rdzv_store *s, char *buf, size_t len, const char *key)
 {
     if (!key || !*key) return -1;
@@ -65,6 +75,7 @@ rdzv_err rdzv_store_open(const rdzv_etcd *etcd, const char *job, int64_t round, 
         free(s);
         return err;
     }
+    etcd_client_set_name(s->c, "store");
     *out = s;
     return RDZV_OK;
 }
@@ -136,47 +147,6 @@ rdzv_err rdzv_store_get(rdzv_store *s, const char *key, void **value, size_t *le
     return err;
 }
 
-rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **value, size_t *len)
-{
-    if (!s || !value || timeout_ms < 0) return RDZV_ERR_ARG;
-    char k[RDZV_KEY_MAX];
-    if (store_key(s, k, sizeof(k), key) != 0) return fail(s, RDZV_ERR_ARG, "bad store key");
-    int64_t deadline = rdzv_now_ms() + timeout_ms;
-    etcd_range_result rr;
-    etcd_err e = etcd_range(s->c, k, 0, 0, &rr);
-    if (e != ETCD_OK) return etcd_fail(s, e, "store wait");
-    if (rr.n > 0) {
-        rdzv_err err = take_value(&rr.kvs[0], value, len);
-        etcd_range_result_free(&rr);
-        return err;
-    }
-    int64_t from = rr.revision + 1; /* nothing is missed between the read and the watch */
-    etcd_range_result_free(&rr);
-    etcd_watch *w = NULL;
-    e = etcd_watch_open(s->c, k, 0, from, &w);
-    if (e != ETCD_OK) return etcd_fail(s, e, "store wait: watch");
-    rdzv_err err = RDZV_ERR_TIMEOUT;
-    for (;;) {
-        int64_t left = deadline - rdzv_now_ms();
-        if (left <= 0) break;
-        etcd_event *evs = NULL;
-        size_t n = 0;
-        e = etcd_watch_next(w, (int)left, &evs, &n);
-        if (e != ETCD_OK) {
-            err = etcd_fail(s, e, "store wait: watch");
-            break;
-        }
-        for (size_t i = 0; i < n && err == RDZV_ERR_TIMEOUT; i++)
-            if (evs[i].type == ETCD_EVENT_PUT) err = take_value(&evs[i].kv, value, len);
-        etcd_events_free(evs, n);
-        if (err != RDZV_ERR_TIMEOUT) break;
-    }
-    etcd_watch_close(w);
-    if (err == RDZV_ERR_TIMEOUT)
-        fail(s, err, "key %s did not appear within %d ms", key, timeout_ms);
-    return err;
-}
-
 static int parse_counter(const etcd_kv *kv, int64_t *out)
 {
     char *end = NULL;
@@ -185,6 +155,139 @@ static int parse_counter(const etcd_kv *kv, int64_t *out)
     if (errno || end == kv->value || *end) return -1;
     *out = v;
     return 0;
+}
+
+/* 1 when the job's epoch (NULL: no such key) says round s->round is over:
+ * a later round was opened, or there is no round number at all. No write of
+ * the round can land then (every one compares the epoch with it), so a key
+ * that is missing never appears. An epoch below the round, one not opened
+ * yet, is worth waiting for. */
+static int superseded(const rdzv_store *s, const etcd_kv *epoch)
+{
+    int64_t n;
+    return !epoch || parse_counter(epoch, &n) != 0 || n > s->round;
+}
+
+/* While a wait blocks on its key's watch, a thread blocks on the epoch's and
+ * wakes the first when the round is superseded. Two one-key watches keep
+ * the fan-out small: a single watch over a range holding both keys would
+ * carry every key of the job that sorts between them. */
+enum { GUARD_WATCHING, GUARD_FENCED, GUARD_FAILED };
+
+typedef struct epoch_guard {
+    const rdzv_store *s;
+    etcd_watch *epoch_w, *key_w;
+    int64_t deadline;
+    atomic_int stop;
+    atomic_int state; /* GUARD_*; what follows is set before it changes */
+    etcd_err err;     /* GUARD_FAILED: the epoch watch's error */
+    char epoch[32];   /* GUARD_FENCED: the epoch, or "none" */
+    pthread_t thread;
+} epoch_guard;
+
+static void *guard_run(void *arg)
+{
+    epoch_guard *g = arg;
+    int state = GUARD_WATCHING;
+    while (state == GUARD_WATCHING && !atomic_load(&g->stop)) {
+        int64_t left = g->deadline - rdzv_now_ms();
+        if (left <= 0) break; /* the wait times out by itself */
+        etcd_event *evs = NULL;
+        size_t n = 0;
+        etcd_err e = etcd_watch_next(g->epoch_w, (int)left, &evs, &n);
+        if (e != ETCD_OK) {
+            g->err = e;
+            state = GUARD_FAILED;
+        }
+        for (size_t i = 0; i < n && state == GUARD_WATCHING; i++) {
+            const etcd_kv *kv = evs[i].type == ETCD_EVENT_PUT ? &evs[i].kv : NULL;
+            if (!superseded(g->s, kv)) continue;
+            snprintf(g->epoch, sizeof(g->epoch), "%s", kv ? kv->value : "none");
+            state = GUARD_FENCED;
+        }
+        etcd_events_free(evs, n);
+    }
+    if (state != GUARD_WATCHING) {
+        atomic_store(&g->state, state);
+        etcd_watch_wakeup(g->key_w);
+    }
+    return NULL;
+}
+
+rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **value, size_t *len)
+{
+    if (!s || !value || timeout_ms < 0) return RDZV_ERR_ARG;
+    char k[RDZV_KEY_MAX];
+    if (store_key(s, k, sizeof(k), key) != 0) return fail(s, RDZV_ERR_ARG, "bad store key");
+    int64_t deadline = rdzv_now_ms() + timeout_ms;
+    /* the key and the epoch at one revision, and both watched from the next:
+     * nothing is missed between the read and the watches */
+    etcd_op reads[2] = {{.type = ETCD_OP_RANGE, .key = k},
+                        {.type = ETCD_OP_RANGE, .key = s->epoch_key}};
+    etcd_txn_result res;
+    etcd_err e = etcd_txn(s->c, NULL, 0, reads, 2, NULL, 0, &res);
+    if (e != ETCD_OK) return etcd_fail(s, e, "store wait");
+    int done = 1;
+    rdzv_err err;
+    if (res.ranges[0].n > 0)
+        err = take_value(&res.ranges[0].kvs[0], value, len);
+    else if (superseded(s, res.ranges[1].n > 0 ? &res.ranges[1].kvs[0] : NULL))
+        err = fenced(s, &res, 1);
+    else
+        done = 0;
+    int64_t from = res.revision + 1;
+    etcd_txn_result_free(&res);
+    if (done) return err;
+
+    epoch_guard g = {.s = s, .deadline = deadline};
+    atomic_init(&g.stop, 0);
+    atomic_init(&g.state, GUARD_WATCHING);
+    e = etcd_watch_open(s->c, k, 0, from, &g.key_w);
+    if (e == ETCD_OK) e = etcd_watch_open(s->c, s->epoch_key, 0, from, &g.epoch_w);
+    if (e != ETCD_OK) {
+        etcd_watch_close(g.key_w);
+        return etcd_fail(s, e, "store wait: watch");
+    }
+    if (pthread_create(&g.thread, NULL, guard_run, &g) != 0) {
+        etcd_watch_close(g.key_w);
+        etcd_watch_close(g.epoch_w);
+        return fail(s, RDZV_ERR_NOMEM, "store wait: cannot start a thread");
+    }
+    err = RDZV_ERR_TIMEOUT;
+    for (;;) {
+        int64_t left = deadline - rdzv_now_ms();
+        if (left <= 0) break;
+        etcd_event *evs = NULL;
+        size_t n = 0;
+        e = etcd_watch_next(g.key_w, (int)left, &evs, &n);
+        if (e != ETCD_OK) {
+            err = watch_fail(s, e, "store wait: watch", g.key_w);
+            break;
+        }
+        for (size_t i = 0; i < n && err == RDZV_ERR_TIMEOUT; i++)
+            if (evs[i].type == ETCD_EVENT_PUT) err = take_value(&evs[i].kv, value, len);
+        etcd_events_free(evs, n);
+        if (err != RDZV_ERR_TIMEOUT) break;
+        int state = atomic_load(&g.state);
+        if (state == GUARD_FENCED) {
+            err = fail(s, RDZV_ERR_FENCED,
+                       "round %lld ended while waiting for %s: no longer current (epoch is %s)",
+                       (long long)s->round, key, g.epoch);
+            break;
+        }
+        if (state == GUARD_FAILED) {
+            err = watch_fail(s, g.err, "store wait: watch on the epoch", g.epoch_w);
+            break;
+        }
+    }
+    atomic_store(&g.stop, 1);
+    etcd_watch_wakeup(g.epoch_w);
+    pthread_join(g.thread, NULL);
+    etcd_watch_close(g.key_w);
+    etcd_watch_close(g.epoch_w);
+    if (err == RDZV_ERR_TIMEOUT)
+        fail(s, err, "key %s did not appear within %d ms", key, timeout_ms);
+    return err;
 }
 
 rdzv_err rdzv_store_add(rdzv_store *s, const char *key, int64_t delta, int64_t *value)

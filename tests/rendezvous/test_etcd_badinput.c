@@ -362,6 +362,33 @@ static void test_watch_streams(void)
         etcd_watch_close(w);
     }
 
+    /* the gateway ends a stream that etcd closed with an error by writing
+     * that error without a newline: a member without a leader (14) is left
+     * for the next endpoint, the stream resuming after the last event; any
+     * other verdict ends the watch */
+    fake_reply s9[] = {
+        {.data = STREAM_HDR CREATED "{\"result\":{\"events\":[" EV(
+             11, "YQ==") "]}}\n"
+                         "{\"error\":{\"grpc_code\":14,\"http_code\":503,\"message\":"
+                         "\"etcdserver: no leader\",\"http_status\":\"Service "
+                         "Unavailable\"}}"},
+        {.data = STREAM_HDR CREATED "{\"result\":{\"events\":[" EV(12, "Yg==") "]}}\n",
+         .hold_ms = 3000},
+    };
+    w = open_watch(s9, 2);
+    got = test_watch_collect(w, 2, 5000, &ev, &last);
+    CHECK(got == 2 && last == ETCD_OK && ev[1].kv.mod_revision == 12);
+    etcd_events_free(ev, got);
+    CHECK(strstr(etcd_watch_last_error(w), "etcdserver: no leader (code 14)"));
+    fake_last_body(&fk, body, sizeof(body));
+    CHECK(strstr(body, "\"start_revision\":\"12\""));
+    etcd_watch_close(w);
+    fake_reply s10[] = {{.data = STREAM_HDR CREATED
+                         "{\"error\":{\"grpc_code\":7,\"message\":\"permission denied\"}}"}};
+    w = open_watch(s10, 1);
+    CHECK(etcd_watch_next(w, 2000, &ev, &n) == ETCD_ERR_AUTH && n == 0);
+    etcd_watch_close(w);
+
     /* an open that never gets "created" or gets garbage first */
     etcd_set_timeout(c, 500);
     fake_reply s3[] = {{.data = STREAM_HDR "garbage\n", .hold_ms = 2000}};

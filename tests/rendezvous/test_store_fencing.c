@@ -3,8 +3,9 @@
  * set/get, wait (satisfied by a writer and timing out), atomic add under
  * contention from several threads with their own stores, barriers (complete
  * and short of participants), and fencing: once round 2 is opened the store
- * of round 1 refuses every write while round 2's accepts them. Ends with the
- * job status as `ductile-agent status` would print it.
+ * of round 1 refuses every write while round 2's accepts them, and a wait of
+ * round 1 ends with RDZV_ERR_FENCED, not at its timeout. Ends with the job
+ * status as `ductile-agent status` would print it.
  */
 #include "etcd.h"
 #include "rdzv.h"
@@ -70,6 +71,34 @@ static void *late_writer(void *arg)
     w->err = rdzv_store_open(&w->etcd, "store", w->round, &s);
     if (w->err == RDZV_OK) w->err = rdzv_store_set(s, "nccl-id", "abc\0def", 7);
     rdzv_store_close(s);
+    return NULL;
+}
+
+#define LONG_WAIT_MS 30000
+
+typedef struct waiter {
+    rdzv_store *s;
+    rdzv_err err;
+    int64_t took_ms;
+} waiter;
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Waits for a key nobody writes, with a long timeout. */
+static void *long_waiter(void *arg)
+{
+    waiter *w = arg;
+    void *v = NULL;
+    size_t len = 0;
+    int64_t t0 = now_ms();
+    w->err = rdzv_store_wait(w->s, "never-written", LONG_WAIT_MS, &v, &len);
+    w->took_ms = now_ms() - t0;
+    free(v);
     return NULL;
 }
 
@@ -180,8 +209,15 @@ int main(void)
         }
     }
 
-    /* fencing: a second node arrives, there is room, round 2 opens */
+    /* fencing: a second node arrives, there is room, round 2 opens; a wait
+     * of round 1 that began before (most likely: the second lets it reach
+     * its watches) ends as the epoch moves on */
     CHECK(rdzv_store_check(s1) == RDZV_OK, "round 1 is current");
+    rdzv_store *sw = NULL;
+    CHECK(rdzv_store_open(&etcd, "store", 1, &sw) == RDZV_OK, "store for the waiter");
+    waiter wt = {.s = sw};
+    pthread_create(&th, NULL, long_waiter, &wt);
+    sleep(1);
     rdzv *b = open_node(e.endpoint, "b");
     expect_event(a, RDZV_EV_ROUND_ENDED, &ev);
     CHECK(ev.round_number == 1 && ev.cause == RDZV_CAUSE_NODE_WAITING, "round 1 ended: %s",
@@ -194,6 +230,22 @@ int main(void)
               ev.round.members[1].first_global_rank == 2,
           "b in round 2");
     rdzv_event_free(&ev);
+
+    pthread_join(th, NULL);
+    printf("wait of round 1: %s after %lld ms: %s\n", rdzv_strerror(wt.err), (long long)wt.took_ms,
+           rdzv_store_last_error(sw));
+    CHECK(wt.err == RDZV_ERR_FENCED, "wait of round 1: %s", rdzv_strerror(wt.err));
+    CHECK(wt.took_ms < LONG_WAIT_MS, "the wait ran out its timeout");
+    CHECK(strstr(rdzv_store_last_error(sw), "epoch is") != NULL, "%s", rdzv_store_last_error(sw));
+    rdzv_store_close(sw);
+    /* a wait that starts after the round ended ends at once */
+    CHECK(rdzv_store_wait(s1, "never-written", LONG_WAIT_MS, &v, &len) == RDZV_ERR_FENCED,
+          "old round wait fenced");
+    CHECK(strstr(rdzv_store_last_error(s1), "epoch is 2") != NULL, "%s", rdzv_store_last_error(s1));
+    CHECK(rdzv_store_get(s1, "addr/0", &v, &len) == RDZV_OK, "a key of round 1 can still be read");
+    free(v);
+    CHECK(rdzv_store_wait(s1, "addr/0", LONG_WAIT_MS, &v, &len) == RDZV_OK, "and waited for");
+    free(v);
 
     CHECK(rdzv_store_set(s1, "addr/0", "stale", 5) == RDZV_ERR_FENCED, "old round set fenced");
     CHECK(strstr(rdzv_store_last_error(s1), "epoch is 2") != NULL, "%s", rdzv_store_last_error(s1));
@@ -209,6 +261,9 @@ int main(void)
     rdzv_store *s3 = NULL;
     CHECK(rdzv_store_open(&etcd, "store", 3, &s3) == RDZV_OK, "store 3");
     CHECK(rdzv_store_set(s3, "k", "v", 1) == RDZV_ERR_FENCED, "a future round is not current");
+    /* ... but may become current: a wait of it runs to its timeout */
+    CHECK(rdzv_store_wait(s3, "k", 300, &v, &len) == RDZV_ERR_TIMEOUT, "wait of a future round: %s",
+          rdzv_store_last_error(s3));
 
     /* status, as `ductile-agent status` shows it */
     rdzv_status st;

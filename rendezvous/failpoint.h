@@ -1,0 +1,51 @@
+/* failpoint.h: make the Nth call of a named operation fail, on purpose.
+ *
+ * Tests reach fault paths (a leader change under a write, a ring peer that
+ * vanishes during bootstrap) deterministically, against the real etcd and
+ * real processes, by naming the call to break in the environment:
+ *
+ *   DUCTILE_FAILPOINTS="NAME=WHEN:ACTION[;NAME=WHEN:ACTION...]"
+ *
+ * WHEN is N (the Nth call only), N-M (calls N to M) or N+ (call N and every
+ * later one); calls are counted per name and per process from 1. ACTION is
+ * a word the code at that point understands (see each name below); the
+ * failpoint only says "this call fails, this way". Unknown names never
+ * fire, so a typo shows up as a test that fails, never as a crash.
+ *
+ * Names compiled in (always; a check is one relaxed load when unset):
+ *   etcd.CLIENT.OP   CLIENT: api (the agent's own calls: register, report,
+ *                    finish, leave), driver, keepalive, watch, store;
+ *                    OP: range put delete txn lease_grant keepalive
+ *                    lease_revoke watch. ACTION unavailable: fail before
+ *                    sending, as if no endpoint answered; ambiguous: send it,
+ *                    let etcd apply it, then report the answer as lost (the
+ *                    "may have been applied" case of a leader change);
+ *                    sleep:MS: stall the call that long, then make it.
+ *   ring.connect     the ring's bootstrap (store, listen, connect); ACTION
+ *                    fail.
+ *   ring.collective  a collective on the ring; ACTION closed (as if a peer
+ *                    closed its connection).
+ *
+ * ductile-agent passes DUCTILE_WORKER_FAILPOINTS to its workers as their
+ * DUCTILE_FAILPOINTS (and never its own), so one test can break the agent
+ * and the trainer separately.
+ */
+#ifndef DUCTILE_FAILPOINT_H
+#define DUCTILE_FAILPOINT_H
+
+#include <stddef.h>
+
+#define FAILPOINT_ENV "DUCTILE_FAILPOINTS"
+
+/* The ACTION for this call of `name`, or NULL when it should not fail.
+ * Counts the call. Thread-safe. */
+const char *failpoint(const char *name);
+
+/* 1 when action is "sleep:MS" (and sleeps MS milliseconds), else 0. */
+int failpoint_sleep(const char *action);
+
+/* Checks DUCTILE_FAILPOINTS; 0 when unset or valid, else -1 and a one-line
+ * reason in msg. Programs call it at start so a bad spec is an error. */
+int failpoint_check_env(char *msg, size_t len);
+
+#endif

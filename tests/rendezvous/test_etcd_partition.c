@@ -1,0 +1,407 @@
+/* test_etcd_partition: a watch on a member cut off from its peers.
+ *
+ * Three real members. Member 0 runs in a network namespace of its own and
+ * has two veth pairs to the test's namespace: one carries the clients'
+ * traffic, the other its peers'. The watch lists member 0 first. With the
+ * peer link down, member 0 still answers but has no leader, and the cluster
+ * goes on without it: a watch served there would go silent. The client's
+ * watch requires a leader (Grpc-Metadata-Hasleader), so member 0 cancels it
+ * ("no leader") and it resumes on another member from its last revision;
+ * the put made after the cut arrives. Two raw gateway streams open on member
+ * 0 all along show what the client builds on, and that the test can fail:
+ * with the header the stream ends in the no-leader error, without it the
+ * put never arrives there.
+ *
+ * The namespace has no name: it is member 0's own (unshare), so it and its
+ * veth pairs are gone when member 0 dies, killed with the test. Exits 77
+ * (skipped) where namespaces or veth pairs cannot be made.
+ */
+#include "etcd.h"
+#include "test_etcd.h"
+#include "test_etcd_util.h"
+
+#include <curl/curl.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MEMBERS 3
+#define SKIP 77
+#define DEADLINE_MS 15000
+
+static char dir[256];
+static pid_t pids[MEMBERS];
+static char cluster[512];
+static int cport[MEMBERS], pport[MEMBERS];
+static char client_url[MEMBERS][64], peer_url[MEMBERS][64];
+/* the two veth pairs: peer link 10.214.<net>.1-2, client link .5-6 */
+static int net;
+static char peer_host[16], peer_ns[16], cli_host[16], cli_ns[16];
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+    char cmd[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    return system(cmd);
+}
+
+static void kill_member(int i)
+{
+    if (pids[i] > 0) {
+        kill(pids[i], SIGKILL);
+        waitpid(pids[i], NULL, 0);
+        pids[i] = 0;
+    }
+}
+
+static void cleanup(void)
+{
+    for (int i = 0; i < MEMBERS; i++)
+        kill_member(i);
+    /* the veths went with member 0's namespace; this is for a failed start */
+    if (peer_host[0]) sh("ip link del %s 2>/dev/null", peer_host);
+    if (cli_host[0]) sh("ip link del %s 2>/dev/null", cli_host);
+    if (dir[0]) {
+        sh("rm -rf '%s'", dir);
+        dir[0] = 0;
+    }
+}
+
+static void exec_etcd(int i)
+{
+    char name[16], data[300], log[300];
+    snprintf(name, sizeof(name), "m%d", i);
+    snprintf(data, sizeof(data), "%s/%s", dir, name);
+    snprintf(log, sizeof(log), "%s/%s.log", dir, name);
+    if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
+    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
+           client_url[i], "--advertise-client-urls", client_url[i], "--listen-peer-urls",
+           peer_url[i], "--initial-advertise-peer-urls", peer_url[i], "--initial-cluster", cluster,
+           "--initial-cluster-state", "new", "--initial-cluster-token", dir, "--heartbeat-interval",
+           "50", "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
+           (char *)NULL);
+    _exit(127);
+}
+
+static void start_member(int i)
+{
+    pids[i] = fork();
+    CHECK(pids[i] >= 0);
+    if (pids[i] == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        exec_etcd(i);
+    }
+}
+
+/* Member 0 in a new network namespace, wired to this one by two veth pairs
+ * made once it exists. Returns 0, or SKIP when that cannot be done. */
+static int start_member0(void)
+{
+    int up[2], go[2];
+    CHECK(pipe(up) == 0 && pipe(go) == 0);
+    pids[0] = fork();
+    CHECK(pids[0] >= 0);
+    if (pids[0] == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(up[0]);
+        close(go[1]);
+        char ok = unshare(CLONE_NEWNET) == 0;
+        if (write(up[1], &ok, 1) != 1 || !ok) _exit(SKIP);
+        if (read(go[0], &ok, 1) != 1) _exit(1);
+        if (sh("ip link set lo up && ip addr add 10.214.%d.2/30 dev %s && ip link set %s up && "
+               "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
+               net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
+            _exit(1);
+        exec_etcd(0);
+    }
+    close(up[1]);
+    close(go[0]);
+    char ok = 0;
+    int got = (int)read(up[0], &ok, 1);
+    close(up[0]);
+    if (got != 1 || !ok) {
+        fprintf(stderr, "cannot make a network namespace\n");
+        close(go[1]);
+        return SKIP;
+    }
+    int pid = pids[0];
+    if (sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
+        sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
+        sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host, peer_host) ||
+        sh("ip addr add 10.214.%d.5/30 dev %s && ip link set %s up", net, cli_host, cli_host)) {
+        fprintf(stderr, "cannot make veth pairs\n");
+        close(go[1]);
+        return SKIP;
+    }
+    ok = 1;
+    CHECK(write(go[1], &ok, 1) == 1);
+    close(go[1]);
+    return 0;
+}
+
+/* A /24 in 10.214/16 that no interface uses yet. */
+static int pick_net(void)
+{
+    for (int k = 0; k < 250; k++) {
+        int n = 1 + (getpid() + k) % 250;
+        char cmd[96], line[256];
+        snprintf(cmd, sizeof(cmd), "ip -o addr show to 10.214.%d.0/24", n);
+        FILE *p = popen(cmd, "r");
+        if (!p) return -1;
+        int used = fgets(line, sizeof(line), p) != NULL;
+        if (pclose(p) != 0) return -1;
+        if (!used) return n;
+    }
+    return -1;
+}
+
+/* ---- a raw gateway watch stream, read by a thread ---- */
+
+typedef struct raw_stream {
+    int hasleader;
+    char url[96];
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char body[1 << 16];
+    size_t len;
+    int done;
+    atomic_int stop;
+} raw_stream;
+
+static size_t raw_write(void *data, size_t size, size_t n, void *user)
+{
+    raw_stream *r = user;
+    pthread_mutex_lock(&r->mu);
+    size_t k = size * n < sizeof(r->body) - 1 - r->len ? size * n : sizeof(r->body) - 1 - r->len;
+    memcpy(r->body + r->len, data, k);
+    r->len += k;
+    r->body[r->len] = 0;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return size * n;
+}
+
+static int raw_progress(void *user, curl_off_t a, curl_off_t b, curl_off_t c, curl_off_t d)
+{
+    (void)a, (void)b, (void)c, (void)d;
+    return atomic_load(&((raw_stream *)user)->stop) != 0;
+}
+
+static void *raw_run(void *arg)
+{
+    raw_stream *r = arg;
+    CURL *h = curl_easy_init();
+    struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    if (r->hasleader) hdrs = curl_slist_append(hdrs, "Grpc-Metadata-Hasleader: true");
+    if (h && hdrs) {
+        /* key "/pt/", range_end "/pt0": the prefix /pt/ */
+        curl_easy_setopt(h, CURLOPT_URL, r->url);
+        curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS,
+                         "{\"create_request\":{\"key\":\"L3B0Lw==\",\"range_end\":\"L3B0MA==\"}}");
+        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, raw_write);
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, r);
+        curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+        curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, raw_progress);
+        curl_easy_setopt(h, CURLOPT_XFERINFODATA, r);
+        curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 120000L);
+        curl_easy_perform(h);
+    }
+    curl_slist_free_all(hdrs);
+    curl_easy_cleanup(h);
+    pthread_mutex_lock(&r->mu);
+    r->done = 1;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+static void raw_start(raw_stream *r, const char *endpoint, int hasleader)
+{
+    memset(r, 0, sizeof(*r));
+    r->hasleader = hasleader;
+    snprintf(r->url, sizeof(r->url), "%s/v3/watch", endpoint);
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    atomic_init(&r->stop, 0);
+    CHECK(pthread_create(&r->thread, NULL, raw_run, r) == 0);
+}
+
+/* Waits until the body holds needle (or, with needle NULL, the stream has
+ * ended), at most until end_ms; returns whether it did. */
+static int raw_wait(raw_stream *r, const char *needle, int64_t end_ms)
+{
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        int hit = needle ? strstr(r->body, needle) != NULL : r->done;
+        int64_t left = end_ms - test_now_ms();
+        if (hit || (needle && r->done) || left <= 0) {
+            pthread_mutex_unlock(&r->mu);
+            return hit;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t step = left < 200 ? left : 200;
+        ts.tv_nsec += (long)(step * 1000000);
+        ts.tv_sec += ts.tv_nsec / 1000000000;
+        ts.tv_nsec %= 1000000000;
+        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+    }
+}
+
+/* Ends the stream if it is still open; afterwards the body can be read. */
+static void raw_stop(raw_stream *r)
+{
+    atomic_store(&r->stop, 1);
+    pthread_join(r->thread, NULL);
+}
+
+/* ---- the test ---- */
+
+static int64_t put(etcd_client *c, const char *key, const char *val)
+{
+    int64_t rev = 0;
+    etcd_err e = etcd_put(c, key, val, strlen(val), 0, &rev);
+    if (e == ETCD_ERR_UNAVAILABLE && strstr(etcd_last_error(c), "may have been applied")) {
+        /* caught in an election: read, then decide */
+        etcd_kv kv;
+        e = etcd_get(c, key, &kv);
+        if (e == ETCD_OK) rev = kv.mod_revision;
+        if (e == ETCD_OK) etcd_kv_free(&kv);
+        if (e == ETCD_ERR_NOT_FOUND) e = etcd_put(c, key, val, strlen(val), 0, &rev);
+    }
+    if (e != ETCD_OK) fprintf(stderr, "put %s: %s\n", key, etcd_last_error(c));
+    CHECK(e == ETCD_OK);
+    return rev;
+}
+
+static void expect_event(etcd_watch *w, const char *key, const char *val)
+{
+    etcd_event *ev;
+    etcd_err last;
+    size_t got = test_watch_collect(w, 1, DEADLINE_MS, &ev, &last);
+    if (got != 1)
+        fprintf(stderr, "watch: no event for %s: %s (%s)\n", key, etcd_strerror(last),
+                etcd_watch_last_error(w));
+    CHECK(got == 1);
+    CHECK(strcmp(ev[0].kv.key, key) == 0 && strcmp(ev[0].kv.value, val) == 0);
+    etcd_events_free(ev, got);
+}
+
+int main(void)
+{
+    if (geteuid() != 0) {
+        fprintf(stderr, "skipped: making network namespaces needs root\n");
+        return SKIP;
+    }
+    net = pick_net();
+    if (net < 0) {
+        fprintf(stderr, "skipped: no free 10.214.x.0/24 (or no `ip`)\n");
+        return SKIP;
+    }
+    int id = getpid() % 100000;
+    snprintf(peer_host, sizeof(peer_host), "dtp%dh", id);
+    snprintf(peer_ns, sizeof(peer_ns), "dtp%dn", id);
+    snprintf(cli_host, sizeof(cli_host), "dtc%dh", id);
+    snprintf(cli_ns, sizeof(cli_ns), "dtc%dn", id);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(dir, sizeof(dir), "%s/ductile-partition-XXXXXX", tmp ? tmp : "/tmp");
+    CHECK(mkdtemp(dir));
+    atexit(cleanup);
+    signal(SIGPIPE, SIG_IGN);
+
+    snprintf(client_url[0], sizeof(client_url[0]), "http://10.214.%d.6:2379", net);
+    snprintf(peer_url[0], sizeof(peer_url[0]), "http://10.214.%d.2:2380", net);
+    for (int i = 1; i < MEMBERS; i++) {
+        cport[i] = test_free_port();
+        pport[i] = test_free_port();
+        CHECK(cport[i] > 0 && pport[i] > 0);
+        snprintf(client_url[i], sizeof(client_url[i]), "http://127.0.0.1:%d", cport[i]);
+        snprintf(peer_url[i], sizeof(peer_url[i]), "http://10.214.%d.1:%d", net, pport[i]);
+    }
+    snprintf(cluster, sizeof(cluster), "m0=%s,m1=%s,m2=%s", peer_url[0], peer_url[1], peer_url[2]);
+    char eps[256];
+    snprintf(eps, sizeof(eps), "%s,%s,%s", client_url[0], client_url[1], client_url[2]);
+
+    if (start_member0() != 0) {
+        fprintf(stderr, "skipped\n");
+        return SKIP;
+    }
+    for (int i = 1; i < MEMBERS; i++)
+        start_member(i);
+
+    /* the cluster forms, and member 0 serves linearizable reads */
+    etcd_client *all = test_client(eps, 20000);
+    if (etcd_put(all, "/pt/start", "x", 1, 0, NULL) != ETCD_OK) {
+        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(all), dir);
+        return 1;
+    }
+    etcd_client *m0 = test_client(client_url[0], 20000);
+    etcd_kv kv;
+    CHECK_OK(m0, etcd_get(m0, "/pt/start", &kv));
+    etcd_kv_free(&kv);
+    etcd_client *m1 = test_client(client_url[1], 20000);
+
+    /* a fresh client starts at its first endpoint: the watch is on member 0 */
+    etcd_client *c = test_client(eps, 10000);
+    etcd_watch *w;
+    CHECK_OK(c, etcd_watch_open(c, "/pt/", 1, 0, &w));
+    raw_stream with, without;
+    raw_start(&with, client_url[0], 1);
+    raw_start(&without, client_url[0], 0);
+    int64_t end = test_now_ms() + DEADLINE_MS;
+    CHECK(raw_wait(&with, "\"created\":true", end) && raw_wait(&without, "\"created\":true", end));
+    put(m1, "/pt/a", "before");
+    expect_event(w, "/pt/a", "before");
+    end = test_now_ms() + DEADLINE_MS;
+    CHECK(raw_wait(&with, "L3B0L2E=", end) && raw_wait(&without, "L3B0L2E=", end));
+
+    /* member 0 loses its peers; its clients' link stays up */
+    fprintf(stderr, "peer link of member 0 down\n");
+    CHECK(sh("ip link set %s down", peer_host) == 0);
+    int64_t rev = put(m1, "/pt/b", "after");
+    int64_t put_at = test_now_ms();
+    expect_event(w, "/pt/b", "after");
+    CHECK(etcd_watch_revision(w) == rev);
+    etcd_event *more;
+    size_t n;
+    CHECK(etcd_watch_next(w, 200, &more, &n) == ETCD_OK && n == 0); /* no duplicates */
+
+    /* with the header, member 0 ended the stream with the no-leader error,
+     * written without a newline after it */
+    CHECK(raw_wait(&with, NULL, put_at + DEADLINE_MS));
+    raw_stop(&with); /* ended: the body is complete */
+    const char *last = strrchr(with.body, '\n');
+    last = last ? last + 1 : with.body;
+    fprintf(stderr, "stream with Hasleader ended with: %s\n", last);
+    CHECK(strncmp(last, "{\"error\":{\"grpc_code\":14,", 25) == 0);
+    CHECK(strstr(last, "\"message\":\"etcdserver: no leader\""));
+    CHECK(last[strlen(last) - 1] == '}');
+    /* without it, the stream stays open and the put never arrives there */
+    CHECK(!raw_wait(&without, "L3B0L2I=", put_at + DEADLINE_MS));
+    raw_stop(&without);
+    CHECK(!strstr(without.body, "error") && !strstr(without.body, "L3B0L2I="));
+    fprintf(stderr, "stream without Hasleader: open, silent for %d ms after the put\n",
+            DEADLINE_MS);
+
+    etcd_watch_close(w);
+    etcd_client_free(c);
+    etcd_client_free(m0);
+    etcd_client_free(m1);
+    etcd_client_free(all);
+    cleanup();
+    printf("test_etcd_partition: ok\n");
+    return 0;
+}
