@@ -15,6 +15,19 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+/* ---- exit codes: what a pod's end means (a Job's podFailurePolicy keys on them) ---- */
+
+enum {
+    AGENT_EXIT_OK = 0,         /* the job completed, or this node left it cleanly (SIGTERM) */
+    AGENT_EXIT_ERROR = 1,      /* this agent failed (a worker failure it could not record, a
+                                  rendezvous error, etcd unreachable at start): counts */
+    AGENT_EXIT_USAGE = 2,      /* bad flags, environment or job limits: retrying cannot help */
+    AGENT_EXIT_JOB_FAILED = 3, /* the job failed: its restart budget is spent */
+    AGENT_EXIT_DROPPED = 4,    /* this node was dropped through no fault of its own (its
+                                  lease ended and it could not register again): not a
+                                  failure of the pod */
+};
+
 /* ---- logging: one line per event, text or JSON, to stderr ---- */
 
 typedef struct agent_logger {
@@ -48,6 +61,7 @@ typedef struct agent_worker {
     int64_t step;
     int ready;
     int failed_reported; /* sent "failed" in this round */
+    int signalled;       /* the agent sent it a signal: its death is not first-hand */
     char failed_reason[256];
 } agent_worker;
 
@@ -111,7 +125,7 @@ typedef struct agent_snapshot {
     int64_t restarts;
     int workers_running;
     double rdzv_seconds;
-    int64_t changes[5]; /* by rdzv_cause */
+    int64_t changes[RDZV_CAUSE_COUNT]; /* by rdzv_cause */
     int ready;
     double heartbeat; /* agent_now() of the loop's last pass */
 } agent_snapshot;

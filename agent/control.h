@@ -13,10 +13,16 @@
  *         prefix is PREFIX (/ductile/<job>/rounds/<N>/store/). In inplace
  *         mode this is how a kept worker learns its next round; the worker's
  *         environment only describes the round it was started in.
- *   abort N
- *         round N ended (a member was lost, a node joined, a peer failed):
- *         abandon its collectives now, keep the process and its state, and
- *         wait for the next `round` line.
+ *   abort N KIND
+ *         round N ended; keep the process and its state, and wait for the
+ *         next `round` line. KIND says how to end the step in flight:
+ *         graceful (a node is waiting with room, a member leaves cleanly):
+ *           every member is alive, so let the step finish however long it
+ *           takes (bounded only by the collective timeout) and stop at its
+ *           boundary: no step is lost;
+ *         lost (a member's lease ended, a peer failed, the round was
+ *           superseded): a peer is gone, abandon the collectives now.
+ *         `abort N` without KIND means lost.
  *   stop
  *         the agent is shutting down (SIGTERM): finish the current step,
  *         save, exit 0. The worker also receives SIGTERM.
@@ -24,9 +30,17 @@
  * worker -> agent (all optional; a worker that never writes is fine)
  *   ready           set up for the current round
  *   step K          finished step K (used for progress in logs)
- *   failed REASON   a collective or peer failed; REASON is the rest of the line.
- *                   The agent ends the round as a failure (it counts against
- *                   --max-restarts) and, in inplace mode, keeps the process.
+ *   failed REASON   this worker failed first-hand (not because a peer went
+ *                   away); REASON is the rest of the line. The agent ends the
+ *                   round as a failure, which counts against --max-restarts,
+ *                   and, in inplace mode, keeps the process.
+ *   peer_lost N REASON
+ *                   in round N a peer vanished under a collective (its
+ *                   connection closed or it timed out), or round N's group
+ *                   could not be built. The agent ends round N as a
+ *                   membership change that does not count against
+ *                   --max-restarts (see docs: the failure-counting rule).
+ *                   Ignored when the agent is no longer in round N.
  *
  * The helpers below are static inline so that a worker needs only this file.
  */
@@ -46,17 +60,19 @@
 
 typedef enum {
     AGENT_CTL_INVALID = 0,
-    AGENT_CTL_ROUND,  /* agent -> worker */
-    AGENT_CTL_ABORT,  /* agent -> worker */
-    AGENT_CTL_STOP,   /* agent -> worker */
-    AGENT_CTL_READY,  /* worker -> agent */
-    AGENT_CTL_STEP,   /* worker -> agent */
-    AGENT_CTL_FAILED, /* worker -> agent */
+    AGENT_CTL_ROUND,     /* agent -> worker */
+    AGENT_CTL_ABORT,     /* agent -> worker */
+    AGENT_CTL_STOP,      /* agent -> worker */
+    AGENT_CTL_READY,     /* worker -> agent */
+    AGENT_CTL_STEP,      /* worker -> agent */
+    AGENT_CTL_FAILED,    /* worker -> agent */
+    AGENT_CTL_PEER_LOST, /* worker -> agent */
 } agent_ctl_type;
 
 typedef struct agent_ctl_msg {
     agent_ctl_type type;
-    int64_t round; /* ROUND, ABORT */
+    int64_t round; /* ROUND, ABORT, PEER_LOST */
+    int graceful;  /* ABORT: 1 graceful, 0 lost */
     int rank;      /* ROUND: global rank */
     int world_size;
     int local_rank;
@@ -67,7 +83,7 @@ typedef struct agent_ctl_msg {
     int master_port;
     char store_prefix[512];
     int64_t step;     /* STEP */
-    char reason[512]; /* FAILED */
+    char reason[512]; /* FAILED, PEER_LOST */
 } agent_ctl_msg;
 
 /* Parses one decimal integer word in [min, max]; 0 on success. */
@@ -106,6 +122,13 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
         m->type = AGENT_CTL_FAILED;
         return agent_ctl_copy(m->reason, sizeof(m->reason), buf[6] ? buf + 7 : "");
     }
+    if (strncmp(buf, "peer_lost ", 10) == 0) {
+        char *sp = strchr(buf + 10, ' ');
+        if (sp) *sp = 0;
+        if (agent_ctl_int(buf + 10, 0, INT64_MAX, &m->round)) return -1;
+        m->type = AGENT_CTL_PEER_LOST;
+        return agent_ctl_copy(m->reason, sizeof(m->reason), sp ? sp + 1 : "");
+    }
     char *w[12];
     int nw = 0;
     char *save = NULL;
@@ -122,8 +145,12 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
     } else if (strcmp(w[0], "step") == 0 && nw == 2) {
         if (agent_ctl_int(w[1], 0, INT64_MAX, &m->step)) return -1;
         m->type = AGENT_CTL_STEP;
-    } else if (strcmp(w[0], "abort") == 0 && nw == 2) {
+    } else if (strcmp(w[0], "abort") == 0 && (nw == 2 || nw == 3)) {
         if (agent_ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
+        if (nw == 3 && strcmp(w[2], "graceful") == 0)
+            m->graceful = 1;
+        else if (nw == 3 && strcmp(w[2], "lost") != 0)
+            return -1;
         m->type = AGENT_CTL_ABORT;
     } else if (strcmp(w[0], "round") == 0 && nw == 11) {
         if (agent_ctl_int(w[1], 0, INT64_MAX, &v[0]) || agent_ctl_int(w[2], 0, INT_MAX, &v[1]) ||
@@ -162,7 +189,8 @@ static inline int agent_ctl_format(const agent_ctl_msg *m, char *out, size_t len
                      m->restarts, m->master_addr, m->master_port, m->store_prefix);
         break;
     case AGENT_CTL_ABORT:
-        n = snprintf(out, len, "abort %" PRId64 "\n", m->round);
+        n = snprintf(out, len, "abort %" PRId64 " %s\n", m->round,
+                     m->graceful ? "graceful" : "lost");
         break;
     case AGENT_CTL_STOP:
         n = snprintf(out, len, "stop\n");
@@ -176,6 +204,10 @@ static inline int agent_ctl_format(const agent_ctl_msg *m, char *out, size_t len
     case AGENT_CTL_FAILED:
         if (strchr(m->reason, '\n')) return -1;
         n = snprintf(out, len, "failed %s\n", m->reason);
+        break;
+    case AGENT_CTL_PEER_LOST:
+        if (strchr(m->reason, '\n')) return -1;
+        n = snprintf(out, len, "peer_lost %" PRId64 " %s\n", m->round, m->reason);
         break;
     default:
         return -1;

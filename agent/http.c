@@ -34,8 +34,6 @@ static enum MHD_Result reply(struct MHD_Connection *c, unsigned code, const char
     return ok;
 }
 
-static const char *cause_names[5] = {NULL, "member_lost", "member_left", "node_waiting", "failure"};
-
 static int metrics_text(const agent_snapshot *s, char *out, size_t len)
 {
     size_t n = 0;
@@ -66,8 +64,8 @@ static int metrics_text(const agent_snapshot *s, char *out, size_t len)
          s->rdzv_seconds);
     EMIT("# HELP ductile_membership_changes_total Rounds this node saw end, by cause.\n"
          "# TYPE ductile_membership_changes_total counter\n");
-    for (int c = 1; c < 5; c++)
-        EMIT("ductile_membership_changes_total{cause=\"%s\"} %lld\n", cause_names[c],
+    for (int c = 1; c < RDZV_CAUSE_COUNT; c++)
+        EMIT("ductile_membership_changes_total{cause=\"%s\"} %lld\n", rdzv_cause_name(c),
              (long long)s->changes[c]);
 #undef EMIT
     return 0;

@@ -14,18 +14,22 @@
  *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
  */
 #include "agent.h"
+#include "failpoint.h"
 
 #include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <limits.h>
 #include <math.h>
 #include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -544,8 +548,12 @@ typedef struct agent {
     double give_up_at;   /* stop waiting for workers at this time (0: none) */
     int failure_reported;
     int64_t restarts;
-    int64_t changes[5];
+    int64_t changes[RDZV_CAUSE_COUNT];
     char why[400]; /* why the next round happens, for its "frozen" line */
+    int mw_fd;     /* MASTER_PORT wait for round mw_round: its result pipe, or -1 */
+    int64_t mw_round;
+    atomic_int mw_threads; /* wait threads still running (a forgotten one ends by itself) */
+    int64_t started;       /* newest round taken: an older or equal FROZEN is stale */
     int done;
     int exit_code;
     int signals;
@@ -613,30 +621,49 @@ static void on_workers_gone(agent *a)
     }
 }
 
-static void report_failure(agent *a, const char *reason)
+/* Tells etcd why the round ends (see rdzv.h, the failure-counting rule):
+ * first_hand for a crash of this node's worker, else a lost peer. A report
+ * that cannot be made ends the agent: it must not idle, healthy-looking,
+ * in a round nobody else knows is broken. */
+static void report_failure(agent *a, const char *reason, int first_hand)
 {
     if (a->failure_reported) return;
     a->failure_reported = 1;
     int64_t restarts = a->restarts;
-    rdzv_err err = rdzv_report_failure(a->rz, reason, &restarts);
+    int counted = first_hand;
+    rdzv_err err = first_hand ? rdzv_report_failure(a->rz, reason, &restarts)
+                              : rdzv_report_peer_lost(a->rz, reason, &restarts, &counted);
     if (err == RDZV_OK) {
         a->restarts = restarts;
-        agent_log(&a->lg, "failure_reported", "failure recorded: job-wide restarts now %lld of %d",
-                  (long long)restarts, a->round.max_restarts);
+        if (counted)
+            agent_log(&a->lg, "failure_reported",
+                      "failure recorded: job-wide restarts now %lld of %d", (long long)restarts,
+                      a->round.max_restarts);
+        else
+            agent_log(&a->lg, "peer_lost_reported",
+                      "lost peer recorded as a membership change (restarts stay %lld of %d)",
+                      (long long)restarts, a->round.max_restarts);
     } else if (err == RDZV_ERR_JOB_FAILED) {
         a->restarts = restarts;
         snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %s)",
                  a->round.max_restarts, reason);
+        a->exit_after_stop = AGENT_EXIT_JOB_FAILED;
+    } else if (err != RDZV_ERR_JOB_DONE && err != RDZV_ERR_CLOSED) {
+        snprintf(a->why, sizeof(a->why), "could not record in etcd that the round ended (%s): %s",
+                 reason, rdzv_strerror(err));
+        agent_log(&a->lg, "failure_report_failed", "%s; exiting", a->why);
         a->exit_after_stop = 1;
-    } else {
-        agent_log(&a->lg, "failure_report_failed", "could not record the failure: %s",
-                  rdzv_strerror(err));
+        a->in_round = 0;
+        if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) agent_finish(a, 1, a->why);
     }
 }
 
 /* A worker of this node failed (exited non-zero, was killed, or reported a
- * failure in restart mode): stop the rest and end the round as a failure. */
-static void worker_failed(agent *a, const char *reason)
+ * failure or a lost peer in restart mode): stop the rest and end the round,
+ * as a failure when first_hand. */
+static void worker_failed(agent *a, const char *reason, int first_hand)
 {
     agent_log(&a->lg, "worker_failed", "round %lld: %s; stopping the other workers",
               (long long)a->round.number, reason);
@@ -646,8 +673,8 @@ static void worker_failed(agent *a, const char *reason)
     }
     stop_workers(a, a->o->stop_grace_ms);
     a->in_round = 0;
-    report_failure(a, reason);
-    if (!workers_alive(a)) on_workers_gone(a);
+    report_failure(a, reason, first_hand);
+    if (!workers_alive(a) && !a->done) on_workers_gone(a);
 }
 
 static void on_ctl(void *ctx, agent_worker *w, const agent_ctl_msg *m)
@@ -660,17 +687,22 @@ static void on_ctl(void *ctx, agent_worker *w, const agent_ctl_msg *m)
     case AGENT_CTL_STEP:
         w->step = m->step;
         break;
-    case AGENT_CTL_FAILED: {
+    case AGENT_CTL_FAILED:
+    case AGENT_CTL_PEER_LOST: {
+        int first_hand = m->type == AGENT_CTL_FAILED;
         char reason[600];
-        snprintf(reason, sizeof(reason), "worker rank %d reported: %s", w->rank, m->reason);
+        snprintf(reason, sizeof(reason), "worker rank %d %s: %s", w->rank,
+                 first_hand ? "reported" : "lost a peer", m->reason);
+        /* A lost peer of a round this node has left is old news. */
+        if (!first_hand && (!a->in_round || m->round != a->round.number)) break;
         if (a->state != AGENT_RUNNING) break;
         if (a->o->inplace) {
             /* The worker keeps its process; the round ends for everyone. */
-            agent_log(&a->lg, "worker_reported_failure", "round %lld: %s",
-                      (long long)a->round.number, reason);
-            report_failure(a, reason);
+            agent_log(&a->lg, first_hand ? "worker_reported_failure" : "worker_lost_peer",
+                      "round %lld: %s", (long long)a->round.number, reason);
+            report_failure(a, reason, first_hand);
         } else {
-            worker_failed(a, reason);
+            worker_failed(a, reason, first_hand);
         }
         break;
     }
@@ -681,26 +713,116 @@ static void on_ctl(void *ctx, agent_worker *w, const agent_ctl_msg *m)
 }
 
 /* MASTER_ADDR is node rank 0's address; MASTER_PORT a free port node rank 0
- * picks and publishes in the round store, which the others wait for. */
-static int round_master(agent *a, const rdzv_round *r, char *addr, size_t addrlen, int *port)
+ * picks and publishes in the round store, which the others wait for. The
+ * wait runs on a thread of its own, so the loop goes on serving signals,
+ * reaping and output meanwhile; the thread owns a copy of everything it
+ * uses and answers through a pipe, so the agent can forget a wait whose
+ * round is over without waiting for it. */
+typedef struct master_wait {
+    int fd;            /* write end */
+    atomic_int *alive; /* the agent's count of wait threads still running */
+    int timeout_ms;
+    int64_t round;
+    char job[64];
+    char endpoints[1024];
+    char *cred[5]; /* cacert, cert, key, user, password */
+} master_wait;
+
+static void master_wait_free(master_wait *mw)
 {
-    const rdzv_member *m0 = NULL;
-    for (int i = 0; i < r->nmembers; i++)
-        if (r->members[i].rank == 0) m0 = &r->members[i];
-    if (!m0) {
-        agent_log(&a->lg, "round_invalid", "round %lld has no node rank 0", (long long)r->number);
+    if (mw->fd >= 0) close(mw->fd);
+    for (int i = 0; i < 5; i++)
+        free(mw->cred[i]);
+    free(mw);
+}
+
+static void *master_wait_main(void *arg)
+{
+    master_wait *mw = arg;
+    rdzv_etcd etcd = {.endpoints = mw->endpoints,
+                      .cacert = mw->cred[0],
+                      .cert = mw->cred[1],
+                      .key = mw->cred[2],
+                      .user = mw->cred[3],
+                      .password = mw->cred[4]};
+    rdzv_store *st = NULL;
+    char line[400];
+    void *v = NULL;
+    size_t len = 0;
+    int port = 0;
+    rdzv_err err = rdzv_store_open(&etcd, mw->job, mw->round, &st);
+    if (err == RDZV_OK) err = rdzv_store_wait(st, "master_port", mw->timeout_ms, &v, &len);
+    if (err == RDZV_OK && parse_int((const char *)v, 1, 65535, &port) != 0) err = RDZV_ERR_PROTOCOL;
+    if (err == RDZV_OK)
+        snprintf(line, sizeof(line), "ok %d\n", port);
+    else
+        snprintf(line, sizeof(line), "%d %s%s%s\n", (int)err, rdzv_strerror(err),
+                 st && rdzv_store_last_error(st)[0] ? ": " : "",
+                 st ? rdzv_store_last_error(st) : "");
+    free(v);
+    rdzv_store_close(st);
+    /* A closed read end (the round is over) just fails the write. */
+    ssize_t ignored = write(mw->fd, line, strlen(line));
+    (void)ignored;
+    atomic_int *alive = mw->alive;
+    master_wait_free(mw);
+    atomic_fetch_sub(alive, 1);
+    return NULL;
+}
+
+static void master_wait_cancel(agent *a)
+{
+    if (a->mw_fd >= 0) close(a->mw_fd);
+    a->mw_fd = -1;
+}
+
+/* Starts waiting for round r's MASTER_PORT; 0 on success. */
+static int master_wait_start(agent *a, const rdzv_round *r)
+{
+    master_wait_cancel(a);
+    master_wait *mw = calloc(1, sizeof(*mw));
+    int p[2] = {-1, -1};
+    if (!mw || pipe2(p, O_CLOEXEC) != 0) {
+        free(mw);
         return -1;
     }
-    snprintf(addr, addrlen, "%s", m0->addr);
+    mw->fd = p[1];
+    mw->round = r->number;
+    /* Bounded by the lease TTL: node rank 0 publishes right after the
+     * freeze, and if it died its lease ends the round (which ends this wait
+     * at once: the store's wait fails when its round is superseded). */
+    mw->timeout_ms = a->o->lease_ttl_s * 1000 + 5000;
+    snprintf(mw->job, sizeof(mw->job), "%s", a->o->job);
+    snprintf(mw->endpoints, sizeof(mw->endpoints), "%s", a->etcd.endpoints);
+    const char *cred[5] = {a->o->cacert, a->o->cert, a->o->key, a->o->user, a->o->password};
+    int bad = 0;
+    for (int i = 0; i < 5; i++)
+        if (cred[i] && !(mw->cred[i] = strdup(cred[i]))) bad = 1;
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    mw->alive = &a->mw_threads;
+    atomic_fetch_add(&a->mw_threads, 1);
+    if (bad || pthread_create(&th, &at, master_wait_main, mw) != 0) {
+        atomic_fetch_sub(&a->mw_threads, 1);
+        pthread_attr_destroy(&at);
+        close(p[0]);
+        master_wait_free(mw);
+        return -1;
+    }
+    pthread_attr_destroy(&at);
+    a->mw_fd = p[0];
+    a->mw_round = r->number;
+    return 0;
+}
+
+/* Node rank 0: picks a free port and publishes it in the round store. */
+static int master_publish(agent *a, const rdzv_round *r, int *port)
+{
     rdzv_store *st = NULL;
     rdzv_err err = rdzv_store_open(&a->etcd, a->o->job, r->number, &st);
-    if (err != RDZV_OK) {
-        agent_log(&a->lg, "store_failed", "round %lld: cannot open the round store: %s",
-                  (long long)r->number, rdzv_strerror(err));
-        return -1;
-    }
-    int rc = -1;
-    if (r->my_rank == 0) {
+    if (err == RDZV_OK) {
         int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
         struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
         socklen_t len = sizeof(sa);
@@ -711,24 +833,14 @@ static int round_master(agent *a, const rdzv_round *r, char *addr, size_t addrle
         char val[16];
         int n = snprintf(val, sizeof(val), "%d", *port);
         err = rdzv_store_set(st, "master_port", val, (size_t)n);
-        if (err == RDZV_OK) rc = 0;
-    } else {
-        /* Knowingly blocking: node rank 0 publishes right after the freeze, and
-         * the wait is bounded by the lease TTL (rank 0 dead = round over). */
-        void *v = NULL;
-        size_t len = 0;
-        int timeout = a->o->lease_ttl_s * 1000 + 5000;
-        err = rdzv_store_wait(st, "master_port", timeout, &v, &len);
-        if (err == RDZV_OK && parse_int((const char *)v, 1, 65535, port) == 0) rc = 0;
-        if (err == RDZV_OK && rc != 0) err = RDZV_ERR_PROTOCOL;
-        free(v);
     }
-    if (rc != 0)
-        agent_log(&a->lg, "master_port_failed", "round %lld: no MASTER_PORT: %s%s%s",
+    if (err != RDZV_OK)
+        agent_log(&a->lg, "master_port_failed", "round %lld: cannot publish MASTER_PORT: %s%s%s",
                   (long long)r->number, rdzv_strerror(err),
-                  rdzv_store_last_error(st)[0] ? ": " : "", rdzv_store_last_error(st));
+                  st && rdzv_store_last_error(st)[0] ? ": " : "",
+                  st ? rdzv_store_last_error(st) : "");
     rdzv_store_close(st);
-    return rc;
+    return err == RDZV_OK ? 0 : -1;
 }
 
 static void send_round(agent *a, const char *maddr, int mport, const char *prefix)
@@ -759,20 +871,29 @@ static void send_round(agent *a, const char *maddr, int mport, const char *prefi
     }
 }
 
-/* A round froze with this node in it: take it and run the workers in it. */
+static const rdzv_member *my_member(const rdzv_round *rd)
+{
+    for (int i = 0; i < rd->nmembers; i++)
+        if (rd->members[i].rank == rd->my_rank) return &rd->members[i];
+    return NULL;
+}
+
+static void launch_round(agent *a, const char *maddr, int mport);
+
+/* A round froze with this node in it: take it, learn its MASTER_PORT (node
+ * rank 0 publishes it; the others wait on a thread) and run the workers. */
 static void start_round(agent *a, rdzv_round *r)
 {
+    master_wait_cancel(a);
     rdzv_round_free(&a->round);
     a->round = *r;
     memset(r, 0, sizeof(*r));
     a->in_round = 1;
     a->failure_reported = 0;
     a->restarts = a->round.restarts;
+    a->started = a->round.number;
     const rdzv_round *rd = &a->round;
-    const rdzv_member *me = NULL;
-    for (int i = 0; i < rd->nmembers; i++)
-        if (rd->members[i].rank == rd->my_rank) me = &rd->members[i];
-    if (!me) {
+    if (!my_member(rd)) {
         agent_log(&a->lg, "round_invalid", "round %lld froze without this node",
                   (long long)rd->number);
         a->in_round = 0;
@@ -783,17 +904,63 @@ static void start_round(agent *a, rdzv_round *r)
               (long long)rd->number, rd->nmembers, rd->world_size, rd->my_rank,
               (long long)rd->restarts, rd->max_restarts, a->why[0] ? a->why : "first round");
     a->why[0] = 0;
-    char maddr[256];
+    const rdzv_member *m0 = NULL;
+    for (int i = 0; i < rd->nmembers; i++)
+        if (rd->members[i].rank == 0) m0 = &rd->members[i];
     int mport = 0;
+    if (rd->my_rank == 0) {
+        if (master_publish(a, rd, &mport) != 0) {
+            /* etcd failed under us: the round cannot start; others wait for
+             * a port that will not come, so end it for everyone. */
+            report_failure(a, "node rank 0 could not publish MASTER_PORT", 0);
+            a->in_round = 0;
+            return;
+        }
+        launch_round(a, m0->addr, mport);
+        return;
+    }
+    if (master_wait_start(a, rd) != 0) {
+        report_failure(a, "cannot start waiting for MASTER_PORT", 1);
+        a->in_round = 0;
+    }
+}
+
+/* The MASTER_PORT wait answered: go on with the round if it still stands. */
+static void on_master_wait(agent *a)
+{
+    char line[400];
+    ssize_t n = read(a->mw_fd, line, sizeof(line) - 1);
+    int64_t round = a->mw_round;
+    master_wait_cancel(a);
+    if (!a->in_round || a->round.number != round || a->state != AGENT_RDZV) return;
+    line[n > 0 ? n : 0] = 0;
+    line[strcspn(line, "\n")] = 0;
+    int port = 0;
+    if (strncmp(line, "ok ", 3) == 0 && parse_int(line + 3, 1, 65535, &port) == 0) {
+        const rdzv_member *m0 = NULL;
+        for (int i = 0; i < a->round.nmembers; i++)
+            if (a->round.members[i].rank == 0) m0 = &a->round.members[i];
+        launch_round(a, m0->addr, port);
+        return;
+    }
+    const char *why = strchr(line, ' ');
+    agent_log(&a->lg, "master_port_failed", "round %lld: no MASTER_PORT: %s", (long long)round,
+              why ? why + 1 : "the wait ended without an answer");
+    /* Superseded: the round's end is on its way as an event. */
+    if (atoi(line) == RDZV_ERR_FENCED) return;
+    /* Node rank 0 is alive (a dead one ends the round, and this wait with
+     * it) but did not publish: a lost peer, counted if it happens again. */
+    report_failure(a, "node rank 0 did not publish MASTER_PORT", 0);
+    a->in_round = 0;
+}
+
+static void launch_round(agent *a, const char *maddr, int mport)
+{
+    const rdzv_round *rd = &a->round;
+    const rdzv_member *me = my_member(rd);
     char prefix[320];
     snprintf(prefix, sizeof(prefix), "/ductile/%s/rounds/%lld/store/", a->o->job,
              (long long)rd->number);
-    if (round_master(a, rd, maddr, sizeof(maddr), &mport) != 0) {
-        a->state = workers_alive(a) ? AGENT_RUNNING : AGENT_RDZV;
-        report_failure(a, "node rank 0 did not publish MASTER_PORT");
-        a->in_round = 0;
-        return;
-    }
     if (a->o->inplace && workers_alive(a) == a->o->nproc) {
         send_round(a, maddr, mport, prefix);
         a->state = AGENT_RUNNING;
@@ -828,7 +995,7 @@ static void start_round(agent *a, rdzv_round *r)
                   (long long)rd->number, msg);
         a->state = AGENT_RDZV;
         a->in_round = 0;
-        report_failure(a, msg);
+        report_failure(a, msg, 1);
         return;
     }
     a->ws_gen++;
@@ -869,14 +1036,17 @@ static void describe_end(const rdzv_event *ev, char *out, size_t len)
     }
 }
 
-/* The round this node was in is over: in place, the workers abort their
- * collectives and wait for the next round; by restart, they are stopped. */
-static void leave_round(agent *a, int64_t round_number)
+/* The round this node was in is over: in place, the workers end their step
+ * and wait for the next round (graceful: every member is alive, so the step
+ * in flight finishes; else its collectives are abandoned now); by restart,
+ * they are stopped. */
+static void leave_round(agent *a, int64_t round_number, int graceful)
 {
     a->in_round = 0;
+    master_wait_cancel(a);
     if (a->state != AGENT_RUNNING) return;
     if (a->o->inplace) {
-        agent_ctl_msg m = {.type = AGENT_CTL_ABORT, .round = round_number};
+        agent_ctl_msg m = {.type = AGENT_CTL_ABORT, .round = round_number, .graceful = graceful};
         for (int i = 0; i < a->ws.n; i++)
             if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
         a->state = AGENT_RDZV;
@@ -913,7 +1083,7 @@ static int rejoin(agent *a, const rdzv_event *ev)
               "round %lld left: lease lost (%s); registered again, joining the next round",
               (long long)a->round.number, ev->reason);
     snprintf(a->why, sizeof(a->why), "this node's lease was lost and it joined again");
-    leave_round(a, a->round.number);
+    leave_round(a, a->round.number, 0);
     return 1;
 }
 
@@ -924,6 +1094,12 @@ static void on_event(agent *a, rdzv_event *ev)
     case RDZV_EV_FROZEN:
         if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
             break;
+        if (ev->round.number <= a->started) {
+            /* Never act on a round twice, nor go back to an older one. */
+            agent_log(&a->lg, "round_stale", "round %lld reported again after round %lld: ignored",
+                      (long long)ev->round.number, (long long)a->started);
+            break;
+        }
         if (a->state == AGENT_RUNNING && !a->o->inplace && workers_alive(a)) {
             /* A newer round without an end of ours first: ours is over too. */
             agent_log(&a->lg, "round_superseded", "round %lld superseded by round %lld",
@@ -943,11 +1119,12 @@ static void on_event(agent *a, rdzv_event *ev)
         }
         break;
     case RDZV_EV_ROUND_ENDED:
-        if (ev->cause > 0 && ev->cause < 5) a->changes[ev->cause]++;
+        if (ev->cause > 0 && ev->cause < RDZV_CAUSE_COUNT) a->changes[ev->cause]++;
         describe_end(ev, what, sizeof(what));
         agent_log(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
         snprintf(a->why, sizeof(a->why), "%s", what);
-        leave_round(a, ev->round_number);
+        leave_round(a, ev->round_number,
+                    ev->cause == RDZV_CAUSE_NODE_WAITING || ev->cause == RDZV_CAUSE_MEMBER_LEFT);
         break;
     case RDZV_EV_SPARE:
         agent_log(&a->lg, "spare", "the round is full: waiting as a hot spare");
@@ -974,12 +1151,14 @@ static void on_event(agent *a, rdzv_event *ev)
                   a->why);
         a->in_round = 0;
         if (a->state == AGENT_SHUTDOWN) break;
-        a->exit_after_stop = 1;
+        a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
+                             : ev->err == RDZV_ERR_LEASE_LOST ? AGENT_EXIT_DROPPED
+                                                              : AGENT_EXIT_ERROR;
         if (workers_alive(a)) {
             a->state = AGENT_STOPPING;
             stop_workers(a, a->o->stop_grace_ms);
         } else {
-            agent_finish(a, 1, a->why);
+            agent_finish(a, a->exit_after_stop, a->why);
         }
         break;
     }
@@ -1001,6 +1180,7 @@ static void begin_shutdown(agent *a, const char *sig)
               (budget - reserve) / 1000.0);
     a->state = AGENT_SHUTDOWN;
     a->in_round = 0;
+    master_wait_cancel(a);
     if (a->have_pending) rdzv_round_free(&a->pending);
     a->have_pending = 0;
     agent_ctl_msg m = {.type = AGENT_CTL_STOP};
@@ -1032,7 +1212,8 @@ static void on_reaped(agent *a, pid_t pid, int status)
         if (!ok) {
             char reason[300];
             snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
-            worker_failed(a, reason);
+            /* First-hand unless the agent itself signalled it. */
+            worker_failed(a, reason, !w->signalled);
             return;
         }
         if (workers_alive(a) == 0) {
@@ -1043,13 +1224,19 @@ static void on_reaped(agent *a, pid_t pid, int status)
                 agent_log(&a->lg, "workers_done", "round %lld: all %d workers exited 0",
                           (long long)a->round.number, a->ws.n);
                 rdzv_err err = rdzv_finish(a->rz);
-                if (err != RDZV_OK && err != RDZV_ERR_JOB_DONE)
-                    agent_log(&a->lg, "finish_failed", "could not mark the job complete: %s",
-                              rdzv_strerror(err));
                 agent_workers_free(&a->ws);
                 a->ws_gen++;
                 a->in_round = 0;
-                agent_finish(a, 0, "job complete");
+                if (err == RDZV_OK || err == RDZV_ERR_JOB_DONE) {
+                    agent_finish(a, 0, "job complete");
+                } else {
+                    /* The others would wait for a round forever: say so, fail. */
+                    snprintf(a->why, sizeof(a->why),
+                             "workers finished but the job could not be marked complete in "
+                             "etcd: %s",
+                             rdzv_strerror(err));
+                    agent_finish(a, 1, a->why);
+                }
             }
         }
         return;
@@ -1124,7 +1311,7 @@ static void publish(agent *a)
 
 static void run_loop(agent *a)
 {
-    int maxfds = 2 + 3 * a->o->nproc;
+    int maxfds = 3 + 3 * a->o->nproc;
     struct pollfd *pfd = calloc((size_t)maxfds, sizeof(*pfd));
     agent_worker **owner = calloc((size_t)maxfds, sizeof(*owner));
     if (!pfd || !owner) {
@@ -1137,6 +1324,8 @@ static void run_loop(agent *a)
         int n = 0;
         pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
         pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
+        /* Always slot 2 (fd -1 is ignored by poll). */
+        pfd[n++] = (struct pollfd){.fd = a->mw_fd, .events = POLLIN};
         for (int i = 0; a->ws.w && i < a->ws.n; i++) {
             agent_worker *w = &a->ws.w[i];
             int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
@@ -1157,7 +1346,7 @@ static void run_loop(agent *a)
         }
         if (got > 0) {
             unsigned gen = a->ws_gen;
-            for (int i = 2; i < n; i++) {
+            for (int i = 3; i < n; i++) {
                 if (a->ws_gen != gen || !a->ws.w) break; /* owner[] is stale */
                 if (!pfd[i].revents) continue;
                 agent_worker *w = owner[i];
@@ -1168,6 +1357,7 @@ static void run_loop(agent *a)
                 if (a->done) break;
             }
             if (pfd[0].revents) on_signalfd(a);
+            if (pfd[2].revents && a->mw_fd >= 0 && !a->done) on_master_wait(a);
             if (pfd[1].revents) {
                 rdzv_event ev;
                 rdzv_err err = RDZV_OK;
@@ -1207,6 +1397,12 @@ int main(int argc, char **argv)
     a.lg.json = opts.json_log;
     a.exit_after_stop = -1;
     a.sigfd = -1;
+    a.mw_fd = -1;
+    char fpmsg[256];
+    if (failpoint_check_env(fpmsg, sizeof(fpmsg)) != 0) {
+        fprintf(stderr, "ductile-agent: %s\n", fpmsg);
+        return 2;
+    }
 
     /* Signals become fd events; they are blocked before any thread starts so
      * that every thread inherits the mask. */
@@ -1274,10 +1470,13 @@ int main(int argc, char **argv)
         goto out;
     }
     if (err != RDZV_OK) {
+        a.exit_code = err == RDZV_ERR_JOB_FAILED ? AGENT_EXIT_JOB_FAILED
+                      : err == RDZV_ERR_ARG      ? AGENT_EXIT_USAGE
+                                                 : AGENT_EXIT_ERROR;
         agent_log(&a.lg, err == RDZV_ERR_JOB_FAILED ? "exit_failed" : "rdzv_error",
-                  "exiting with code 1: %s%s%s", rdzv_strerror(err), msg[0] ? ": " : "", msg);
+                  "exiting with code %d: %s%s%s", a.exit_code, rdzv_strerror(err),
+                  msg[0] ? ": " : "", msg);
         a.rz = NULL;
-        a.exit_code = 1;
         goto out;
     }
     run_loop(&a);
@@ -1290,12 +1489,14 @@ out:
             if (!a.ws.w[i].exited && a.ws.w[i].pid > 0) waitpid(a.ws.w[i].pid, NULL, 0);
         agent_workers_free(&a.ws);
     }
+    master_wait_cancel(&a);
     if (a.rz) rdzv_close(a.rz);
     agent_http_stop(a.http);
     agent_standalone_stop(&a.sa);
     rdzv_round_free(&a.round);
     if (a.have_pending) rdzv_round_free(&a.pending);
     close(a.sigfd);
-    curl_global_cleanup();
+    /* A MASTER_PORT wait still blocked in libcurl: leave curl's globals be. */
+    if (atomic_load(&a.mw_threads) == 0) curl_global_cleanup();
     return a.exit_code;
 }

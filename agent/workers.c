@@ -46,6 +46,7 @@ static const char *const agent_env_names[] = {
     "DUCTILE_STORE_PREFIX",
     "DUCTILE_CONTROL_FD",
     "DUCTILE_NODE_ADDR",
+    "DUCTILE_FAILPOINTS", /* the agent's own; workers get DUCTILE_WORKER_FAILPOINTS */
     NULL,
 };
 
@@ -129,6 +130,8 @@ static char **env_build(const agent_round_env *r, int lr)
     bad |= env_add(env, &n, "DUCTILE_STORE_PREFIX", "%s", r->store_prefix);
     bad |= env_add(env, &n, "DUCTILE_CONTROL_FD", "3");
     if (r->node_addr) bad |= env_add(env, &n, "DUCTILE_NODE_ADDR", "%s", r->node_addr);
+    const char *fp = getenv("DUCTILE_WORKER_FAILPOINTS");
+    if (fp && *fp) bad |= env_add(env, &n, "DUCTILE_FAILPOINTS", "%s", fp);
     /* One thread per worker unless the user chose: K workers share the node. */
     if (r->local_world_size > 1 && !env_has(env, n, "OMP_NUM_THREADS"))
         bad |= env_add(env, &n, "OMP_NUM_THREADS", "1");
@@ -262,6 +265,7 @@ void agent_workers_signal(agent_workers *ws, int sig)
     for (int i = 0; i < ws->n; i++) {
         agent_worker *w = &ws->w[i];
         if (w->exited || w->pid <= 0) continue;
+        w->signalled = 1;
         if (kill(-w->pid, sig) != 0) kill(w->pid, sig);
     }
 }

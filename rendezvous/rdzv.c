@@ -1,4 +1,4 @@
-/* rdzv.c: the rendezvous protocol (DESIGN.md, "Rendezvous protocol").
+/* rdzv.c: the rendezvous protocol (docs/design.md, "Rounds").
  *
  * One driver thread per handle is level-triggered: whatever woke it (a
  * watch event, the last-call timer, a retry), it reads one consistent
@@ -101,6 +101,7 @@ struct rdzv {
 
     /* driver-only state */
     int64_t in_round;     /* frozen round this node is in, not yet ended */
+    int64_t reported;     /* newest round reported FROZEN: never again, nor older */
     int64_t spare_round;  /* round for which SPARE was reported */
     int waiting_written;  /* waiting/<node> exists */
     int64_t deadline_ms;  /* join deadline, 0 when none runs */
@@ -286,6 +287,7 @@ static void *watcher_main(void *arg)
             watcher_pause(w, 1000);
             continue;
         }
+        etcd_client_set_name(c, "watch");
         if (!w->w) {
             etcd_watch *ew = NULL;
             etcd_err e = etcd_watch_open(c, w->key, w->prefix, next_rev, &ew);
@@ -596,6 +598,8 @@ static rdzv_err create_first_round(rdzv *r)
     memset(&rec, 0, sizeof(rec));
     rec.number = 1;
     rec.max_restarts = r->cfg.max_restarts;
+    rec.min_nodes = r->cfg.min_nodes;
+    rec.max_nodes = r->cfg.max_nodes;
     snprintf(rec.job, sizeof(rec.job), "running");
     char *st = state_json("running", "");
     if (!st) return RDZV_ERR_NOMEM;
@@ -614,8 +618,8 @@ static int open_next(rdzv *r, const rdzv_record *rec, int64_t mod, rdzv_cause ca
     rdzv_record next;
     memset(&next, 0, sizeof(next));
     next.number = rec->number + 1;
-    next.restarts = rec->restarts;
-    next.max_restarts = rec->max_restarts;
+    rdzv_record_carry(rec, &next);
+    next.peer_lost_of = 0; /* only a lost peer's end sets it */
     snprintf(next.job, sizeof(next.job), "running");
     snprintf(next.cause, sizeof(next.cause), "%s", rdzv_cause_name(cause));
     snprintf(next.cause_node, sizeof(next.cause_node), "%s", node ? node : "");
@@ -650,6 +654,7 @@ static void report_frozen(rdzv *r, const rdzv_record *rec)
     ev.type = RDZV_EV_FROZEN;
     if (rdzv_record_to_round(rec, r->node, &ev.round) != RDZV_OK) return;
     r->in_round = rec->number;
+    r->reported = rec->number;
     r->spare_round = 0;
     r->deadline_ms = 0;
     pthread_mutex_lock(&r->mu);
@@ -704,6 +709,9 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
     set_join_watch(r, NULL, 0, 0);
     start_member_watches(r, s->revision + 1);
     int me = rdzv_record_member_index(rec, r->node);
+    /* Listed under an older lease: that was this node before it lost its
+     * lease, and is a lost member like any other. */
+    if (me >= 0 && rec->members[me].lease != r->lease) me = -1;
     if (me < 0 && !r->waiting_written) {
         /* Not in this round: say so, for whoever sees that there is room. */
         rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
@@ -766,8 +774,7 @@ static int freeze(rdzv *r, const rdzv_record *rec, int64_t mod, etcd_kv **joined
     memset(&fz, 0, sizeof(fz));
     fz.number = rec->number;
     fz.frozen = 1;
-    fz.restarts = rec->restarts;
-    fz.max_restarts = rec->max_restarts;
+    rdzv_record_carry(rec, &fz);
     snprintf(fz.job, sizeof(fz.job), "%s", rec->job);
     snprintf(fz.cause, sizeof(fz.cause), "%s", rec->cause);
     snprintf(fz.cause_node, sizeof(fz.cause_node), "%s", rec->cause_node);
@@ -790,7 +797,8 @@ static int freeze(rdzv *r, const rdzv_record *rec, int64_t mod, etcd_kv **joined
         cJSON *o = cJSON_ParseWithLength(order[i]->value, order[i]->value_len);
         const cJSON *addr = cJSON_GetObjectItemCaseSensitive(o, "addr");
         const cJSON *lws = cJSON_GetObjectItemCaseSensitive(o, "lws");
-        if (!cJSON_IsString(addr) || !cJSON_IsNumber(lws) || lws->valueint < 1) {
+        if (!cJSON_IsString(addr) || !cJSON_IsNumber(lws) || lws->valueint < 1 ||
+            lws->valueint > RDZV_MAX_LOCAL_WORLD) {
             dlog(r, "skipping malformed join %s", order[i]->key);
             cJSON_Delete(o);
             continue;
@@ -914,7 +922,8 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
     if (r->in_round && rec->number > r->in_round) report_ended(r, rec);
     /* A frozen record never changes its members: report at once, then
      * check whether the round already has to end. */
-    if (rec->frozen && r->in_round != rec->number && rdzv_record_member_index(rec, r->node) >= 0)
+    int me = rdzv_record_member_index(rec, r->node);
+    if (rec->frozen && rec->number > r->reported && me >= 0 && rec->members[me].lease == r->lease)
         report_frozen(r, rec);
 
     snapshot s;
@@ -1037,8 +1046,8 @@ static rdzv_err check_config(const rdzv_config *c, char *msg)
         bad = "job id must match [a-z0-9][a-z0-9-]{0,62}";
     else if (!rdzv_node_id_valid(c->node_id))
         bad = "node id must match [A-Za-z0-9._-]{1,128}";
-    else if (c->local_world_size < 1)
-        bad = "local world size must be >= 1";
+    else if (c->local_world_size < 1 || c->local_world_size > RDZV_MAX_LOCAL_WORLD)
+        bad = "local world size must be 1..1024 (RDZV_MAX_LOCAL_WORLD)";
     else if (c->min_nodes < 1 || c->max_nodes < c->min_nodes)
         bad = "need 1 <= min_nodes <= max_nodes";
     else if (c->lease_ttl_s < 2)
@@ -1116,6 +1125,37 @@ static rdzv_err check_job_state(rdzv *r, char *msg)
     return err;
 }
 
+/* --nnodes is job-wide: the first agent's limits are in the round record,
+ * and an agent given others is refused (it would keep opening rounds that
+ * the others freeze by other rules). */
+static rdzv_err check_job_limits(rdzv *r, char *msg)
+{
+    rdzv_record rec;
+    int64_t mod = 0;
+    int have = 0;
+    rdzv_err err = read_round(r, r->api, &rec, &mod, &have);
+    if (err == RDZV_ERR_PROTOCOL) {
+        snprintf(msg, RDZV_MSG_MAX, "malformed round record under /ductile/%s/round", r->cfg.job);
+        return err;
+    }
+    if (err != RDZV_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "cannot reach etcd at %s: %s", r->etcd.endpoints,
+                 etcd_last_error(r->api));
+        return err;
+    }
+    if (!have) return RDZV_OK;
+    if (rec.max_nodes > 0 &&
+        (rec.min_nodes != r->cfg.min_nodes || rec.max_nodes != r->cfg.max_nodes)) {
+        snprintf(msg, RDZV_MSG_MAX,
+                 "job %s runs with --nnodes %d:%d (set by its first agent) but this agent has "
+                 "%d:%d",
+                 r->cfg.job, rec.min_nodes, rec.max_nodes, r->cfg.min_nodes, r->cfg.max_nodes);
+        err = RDZV_ERR_ARG;
+    }
+    rdzv_record_free(&rec);
+    return err;
+}
+
 rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
 {
     char scratch[RDZV_MSG_MAX];
@@ -1178,7 +1218,13 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     if ((err = rdzv_etcd_connect(&r->etcd, &r->api, msg)) != RDZV_OK) goto err;
     if ((err = rdzv_etcd_connect(&r->etcd, &r->dc, msg)) != RDZV_OK) goto err;
     if ((err = rdzv_etcd_connect(&r->etcd, &r->kac, msg)) != RDZV_OK) goto err;
+    /* Failpoints name the client: etcd.api.txn is a call of the caller's
+     * thread (register, report, finish, leave), never the driver's. */
+    etcd_client_set_name(r->api, "api");
+    etcd_client_set_name(r->dc, "driver");
+    etcd_client_set_name(r->kac, "keepalive");
     if ((err = check_job_state(r, msg)) != RDZV_OK) goto err;
+    if ((err = check_job_limits(r, msg)) != RDZV_OK) goto err;
 
     etcd_err e = etcd_lease_grant(r->api, r->cfg.lease_ttl_s, &r->lease);
     if (e != ETCD_OK) {
@@ -1295,9 +1341,15 @@ rdzv_err rdzv_leave(rdzv *r)
     if (round > 0) {
         /* The marker outlives the lease, so peers that see the node key
          * vanish can tell a leave from a crash. */
-        char key[RDZV_KEY_MAX];
+        char key[RDZV_KEY_MAX], joined[RDZV_KEY_MAX];
         rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/left/%s", (long long)round, r->node);
-        if (etcd_put(r->api, key, "1", 1, 0, NULL) != ETCD_OK) err = RDZV_ERR_ETCD;
+        rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/%s", (long long)round,
+                 r->node);
+        /* Only while round's keys are still there: once rounds/<round>/ has
+         * been collected, a marker written now would never be deleted. */
+        etcd_cmp cmp = {.key = joined, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_GREATER};
+        etcd_op put = {.type = ETCD_OP_PUT, .key = key, .value = "1", .value_len = 1};
+        if (etcd_txn(r->api, &cmp, 1, &put, 1, NULL, 0, NULL) != ETCD_OK) err = RDZV_ERR_ETCD;
     }
     etcd_err e = etcd_lease_revoke(r->api, r->lease);
     if (e != ETCD_OK && e != ETCD_ERR_NOT_FOUND) err = RDZV_ERR_ETCD;
@@ -1326,79 +1378,135 @@ double rdzv_seconds_in_rendezvous(const rdzv *r)
 
 /* ---- failures and the end of the job (caller's thread) ---- */
 
-rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts)
+/* How long a report or finish keeps trying: past the lease TTL this node
+ * is out of the job anyway, and the rejoin path takes over. */
+static int64_t report_deadline(const rdzv *r)
+{
+    int64_t t = r->etcd.timeout_ms ? r->etcd.timeout_ms : 5000;
+    int64_t ttl = (int64_t)r->cfg.lease_ttl_s * 1000;
+    return rdzv_now_ms() + (ttl > t ? ttl : t);
+}
+
+/* After an etcd error: 1 to try again (after a pause), 0 when the deadline
+ * has passed. */
+static int retry_pause(int64_t deadline, int *backoff_ms)
+{
+    if (rdzv_now_ms() + *backoff_ms > deadline) return 0;
+    struct timespec ts = {.tv_sec = *backoff_ms / 1000, .tv_nsec = (*backoff_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    *backoff_ms = *backoff_ms < 400 ? *backoff_ms * 2 : 500;
+    return 1;
+}
+
+typedef enum { WRITE_NONE, WRITE_NEXT_ROUND, WRITE_SAME_ROUND } report_write;
+
+/* Decides what one report does (see rdzv.h, the failure-counting rule).
+ * WRITE_NONE: nothing to write (the round already ended, or was counted).
+ * WRITE_SAME_ROUND: *rec itself was updated (a count added to the current
+ * round, or the job failed). WRITE_NEXT_ROUND: *next is the next round.
+ * *count is 1 when the report uses a restart. */
+static report_write plan_report(const rdzv *r, int64_t mine, int first_hand, const char *reason,
+                                rdzv_record *rec, rdzv_record *next, int *count)
+{
+    *count = 0;
+    memset(next, 0, sizeof(*next));
+    if (mine == 0 || rec->counted >= mine) return WRITE_NONE;
+    int same = rec->number == mine;
+    if (!first_hand && !same) return WRITE_NONE; /* whoever ended it decided */
+    uint64_t members = rdzv_record_members_hash(rec);
+    int again = !first_hand && strcmp(rec->cause, rdzv_cause_name(RDZV_CAUSE_PEER_LOST)) == 0 &&
+                rec->peer_lost_of == members;
+    *count = first_hand || again;
+    if (*count && rec->restarts + 1 > rec->max_restarts) {
+        /* Same round, job failed: every driver reports JOB_FAILED. */
+        rec->restarts++;
+        rec->counted = mine;
+        snprintf(rec->job, sizeof(rec->job), "failed");
+        snprintf(rec->reason, sizeof(rec->reason),
+                 "restart limit reached (%lld > max_restarts %d); last failure on %s: %s",
+                 (long long)rec->restarts, rec->max_restarts, r->node, reason);
+        return WRITE_SAME_ROUND;
+    }
+    if (!same) {
+        /* The round ended uncounted (a peer saw this crash first) before
+         * this first-hand report came: the count goes on the current round. */
+        rec->restarts++;
+        rec->counted = mine;
+        return WRITE_SAME_ROUND;
+    }
+    next->number = rec->number + 1;
+    rdzv_record_carry(rec, next);
+    next->peer_lost_of = 0;
+    if (*count) {
+        next->restarts = rec->restarts + 1;
+        next->counted = mine;
+    } else {
+        next->peer_lost_of = members;
+    }
+    rdzv_cause cause = *count ? RDZV_CAUSE_FAILURE : RDZV_CAUSE_PEER_LOST;
+    snprintf(next->job, sizeof(next->job), "running");
+    snprintf(next->cause, sizeof(next->cause), "%s", rdzv_cause_name(cause));
+    snprintf(next->cause_node, sizeof(next->cause_node), "%s", r->node);
+    if (again)
+        snprintf(next->reason, sizeof(next->reason),
+                 "peer lost again on %s with the same members (counted): %s", r->node, reason);
+    else
+        snprintf(next->reason, sizeof(next->reason), "%s on %s: %s",
+                 first_hand ? "failure" : "peer lost", r->node, reason);
+    return WRITE_NEXT_ROUND;
+}
+
+static rdzv_err report(rdzv *r, int first_hand, const char *reason, int64_t *restarts, int *counted)
 {
     if (!r) return RDZV_ERR_ARG;
     if (!reason) reason = "";
+    if (counted) *counted = 0;
     pthread_mutex_lock(&r->api_mu);
     rdzv_err err = RDZV_ERR_CLOSED;
     if (r->closed) goto out;
     pthread_mutex_lock(&r->mu);
     int64_t mine = r->member_round;
     pthread_mutex_unlock(&r->mu);
-    int64_t deadline = rdzv_now_ms() + (r->etcd.timeout_ms ? r->etcd.timeout_ms : 5000);
+    int64_t deadline = report_deadline(r);
+    int backoff = 50;
     for (;;) {
-        rdzv_record rec;
+        rdzv_record rec, next;
         int64_t mod = 0;
-        int have = 0;
+        int have = 0, count = 0, won = 0;
         err = read_round(r, r->api, &rec, &mod, &have);
+        if (err == RDZV_OK && !have) err = RDZV_ERR_PROTOCOL;
+        if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
         if (err != RDZV_OK) goto out;
-        if (!have) {
-            err = RDZV_ERR_PROTOCOL;
-            goto out;
-        }
+        if (restarts) *restarts = rec.restarts;
         if (strcmp(rec.job, "running") != 0) {
             err = strcmp(rec.job, "done") == 0 ? RDZV_ERR_JOB_DONE : RDZV_ERR_JOB_FAILED;
             rdzv_record_free(&rec);
             goto out;
         }
-        if (mine == 0 || rec.number != mine) {
-            /* The round this node was in has already ended: the failure
-             * has been counted (or superseded) by whoever ended it. */
-            if (restarts) *restarts = rec.restarts;
-            rdzv_record_free(&rec);
-            err = RDZV_OK;
-            goto out;
-        }
-        rdzv_record next;
-        memset(&next, 0, sizeof(next));
-        next.restarts = rec.restarts + 1;
-        next.max_restarts = rec.max_restarts;
-        snprintf(next.cause, sizeof(next.cause), "%s", rdzv_cause_name(RDZV_CAUSE_FAILURE));
-        snprintf(next.cause_node, sizeof(next.cause_node), "%s", r->node);
+        report_write w = plan_report(r, mine, first_hand, reason, &rec, &next, &count);
         char *st = NULL;
-        int bump;
-        if (next.restarts > rec.max_restarts) {
-            /* Same round, job failed: every driver reports JOB_FAILED. */
-            rdzv_record_free(&next);
-            next = rec;
-            memset(&rec, 0, sizeof(rec));
-            next.restarts++;
-            snprintf(next.job, sizeof(next.job), "failed");
-            snprintf(next.reason, sizeof(next.reason),
-                     "restart limit reached (%lld > max_restarts %d); last failure on %s: %s",
-                     (long long)next.restarts, next.max_restarts, r->node, reason);
-            st = state_json("failed", next.reason);
-            bump = 0;
-        } else {
-            next.number = rec.number + 1;
-            snprintf(next.job, sizeof(next.job), "running");
-            snprintf(next.reason, sizeof(next.reason), "failure on %s: %s", r->node, reason);
+        if (w == WRITE_NEXT_ROUND) {
             err = rdzv_record_copy_order(&rec, &next);
-            bump = 1;
+            if (err == RDZV_OK) err = put_record(r, r->api, &next, mod, 1, NULL, &won);
+        } else if (w == WRITE_SAME_ROUND) {
+            int failed = strcmp(rec.job, "failed") == 0;
+            if (failed && !(st = state_json("failed", rec.reason))) err = RDZV_ERR_NOMEM;
+            if (err == RDZV_OK) err = put_record(r, r->api, &rec, mod, 0, st, &won);
         }
-        int won = 0;
-        if (err == RDZV_OK && (bump || st))
-            err = put_record(r, r->api, &next, mod, bump, st, &won);
-        else if (err == RDZV_OK)
-            err = RDZV_ERR_NOMEM;
-        int64_t count = next.restarts;
+        int64_t total = w == WRITE_NEXT_ROUND ? next.restarts : rec.restarts;
+        int job_failed = strcmp(rec.job, "failed") == 0;
         free(st);
         rdzv_record_free(&next);
         rdzv_record_free(&rec);
+        if (w == WRITE_NONE) goto out; /* RDZV_OK: already ended, or already counted */
+        /* Unavailable or ambiguous (it may have been applied): read again,
+         * and the record says whether it was. */
+        if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
         if (err != RDZV_OK) goto out;
         if (won) {
-            if (restarts) *restarts = count;
+            if (restarts) *restarts = total;
+            if (counted) *counted = count;
+            if (job_failed) err = RDZV_ERR_JOB_FAILED;
             goto out;
         }
         if (rdzv_now_ms() > deadline) {
@@ -1411,13 +1519,24 @@ out:
     return err;
 }
 
+rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts)
+{
+    return report(r, 1, reason, restarts, NULL);
+}
+
+rdzv_err rdzv_report_peer_lost(rdzv *r, const char *reason, int64_t *restarts, int *counted)
+{
+    return report(r, 0, reason, restarts, counted);
+}
+
 rdzv_err rdzv_finish(rdzv *r)
 {
     if (!r) return RDZV_ERR_ARG;
     pthread_mutex_lock(&r->api_mu);
     rdzv_err err = RDZV_ERR_CLOSED;
     if (r->closed) goto out;
-    int64_t deadline = rdzv_now_ms() + (r->etcd.timeout_ms ? r->etcd.timeout_ms : 5000);
+    int64_t deadline = report_deadline(r);
+    int backoff = 50;
     char *st = state_json("done", "");
     if (!st) {
         err = RDZV_ERR_NOMEM;
@@ -1426,22 +1545,21 @@ rdzv_err rdzv_finish(rdzv *r)
     for (;;) {
         rdzv_record rec;
         int64_t mod = 0;
-        int have = 0;
+        int have = 0, won = 0;
         err = read_round(r, r->api, &rec, &mod, &have);
+        if (err == RDZV_OK && !have) err = RDZV_ERR_PROTOCOL;
+        if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
         if (err != RDZV_OK) break;
-        if (!have) {
-            err = RDZV_ERR_PROTOCOL;
-            break;
-        }
         if (strcmp(rec.job, "running") != 0) {
             err = strcmp(rec.job, "done") == 0 ? RDZV_OK : RDZV_ERR_JOB_FAILED;
             rdzv_record_free(&rec);
             break;
         }
         snprintf(rec.job, sizeof(rec.job), "done");
-        int won = 0;
         err = put_record(r, r->api, &rec, mod, 0, st, &won);
         rdzv_record_free(&rec);
+        /* Ambiguous or unavailable: the next read says whether it landed. */
+        if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
         if (err != RDZV_OK || won) break;
         if (rdzv_now_ms() > deadline) {
             err = RDZV_ERR_TIMEOUT;

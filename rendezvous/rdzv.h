@@ -1,8 +1,8 @@
 /* rdzv.h: the whole public interface of libductile-rdzv.
  *
  * Agents meet in etcd under /ductile/<job>/ and agree, round by round, on
- * which nodes are in the job and which rank each holds (DESIGN.md, "Rendezvous
- * protocol"). Round numbers only grow and are the fencing epoch: anything
+ * which nodes are in the job and which rank each holds (docs/design.md,
+ * "Rounds"). Round numbers only grow and are the fencing epoch: anything
  * written for round N is refused once round N+1 exists.
  *
  * The interface is event-driven so that an agent can keep one poll() loop:
@@ -23,18 +23,18 @@
 
 typedef enum {
     RDZV_OK = 0,
-    RDZV_ERR_ARG,         /* invalid argument or configuration */
+    RDZV_ERR_ARG, /* invalid argument or configuration */
     RDZV_ERR_NOMEM,
-    RDZV_ERR_ETCD,        /* etcd failed or could not be reached (detail in the message) */
-    RDZV_ERR_TIMEOUT,     /* a deadline passed */
-    RDZV_ERR_FENCED,      /* the round is no longer the current one: write refused */
-    RDZV_ERR_NOT_FOUND,   /* no such key in the store */
-    RDZV_ERR_LEASE_LOST,  /* this node's lease expired: it is out of the job */
-    RDZV_ERR_JOB_DONE,    /* the job has completed */
-    RDZV_ERR_JOB_FAILED,  /* the job has failed (restart limit reached) */
-    RDZV_ERR_DUPLICATE,   /* a live node already uses this node id */
-    RDZV_ERR_CLOSED,      /* the handle is leaving or closed */
-    RDZV_ERR_PROTOCOL,    /* malformed data found under the job's keys */
+    RDZV_ERR_ETCD,       /* etcd failed or could not be reached (detail in the message) */
+    RDZV_ERR_TIMEOUT,    /* a deadline passed */
+    RDZV_ERR_FENCED,     /* the round is no longer the current one: write refused */
+    RDZV_ERR_NOT_FOUND,  /* no such key in the store */
+    RDZV_ERR_LEASE_LOST, /* this node's lease expired: it is out of the job */
+    RDZV_ERR_JOB_DONE,   /* the job has completed */
+    RDZV_ERR_JOB_FAILED, /* the job has failed (restart limit reached) */
+    RDZV_ERR_DUPLICATE,  /* a live node already uses this node id */
+    RDZV_ERR_CLOSED,     /* the handle is leaving or closed */
+    RDZV_ERR_PROTOCOL,   /* malformed data found under the job's keys */
 } rdzv_err;
 
 const char *rdzv_strerror(rdzv_err err);
@@ -54,14 +54,19 @@ typedef struct rdzv_etcd {
 /* Job ids: [a-z0-9][a-z0-9-]{0,62}. Returns 1 when valid. */
 int rdzv_job_id_valid(const char *job);
 
+/* The most workers one node may run: a join above it is refused by
+ * rdzv_open (and skipped if one is found in etcd), so a world size always
+ * fits an int. */
+#define RDZV_MAX_LOCAL_WORLD 1024
+
 typedef struct rdzv_config {
     rdzv_etcd etcd;
     const char *job;      /* job id */
     const char *node_id;  /* unique per node: [A-Za-z0-9._-]{1,128} */
     const char *addr;     /* address peers use to reach this node */
-    int local_world_size; /* workers on this node (>= 1) */
-    int min_nodes;        /* >= 1 */
-    int max_nodes;        /* >= min_nodes */
+    int local_world_size; /* workers on this node (1..RDZV_MAX_LOCAL_WORLD) */
+    int min_nodes;        /* >= 1; job-wide: the first agent's value is kept */
+    int max_nodes;        /* >= min_nodes; likewise */
     int last_call_ms;     /* after min_nodes joined, wait this long past the last join */
     int lease_ttl_s;      /* node lease TTL (>= 2) */
     int join_timeout_ms;  /* a round must freeze within this, else RDZV_EV_ERROR;
@@ -94,7 +99,9 @@ typedef enum {
     RDZV_CAUSE_MEMBER_LOST,  /* a member's node key vanished (lease expired) */
     RDZV_CAUSE_MEMBER_LEFT,  /* a member left cleanly (revoked its lease) */
     RDZV_CAUSE_NODE_WAITING, /* a node was waiting and the round had room */
-    RDZV_CAUSE_FAILURE,      /* a member reported a failed worker or peer */
+    RDZV_CAUSE_FAILURE,      /* a member's worker failed first-hand (counted) */
+    RDZV_CAUSE_PEER_LOST,    /* a member's worker lost a peer under a collective */
+    RDZV_CAUSE_COUNT
 } rdzv_cause;
 
 const char *rdzv_cause_name(rdzv_cause cause); /* "member_lost", ... for metrics */
@@ -110,7 +117,7 @@ typedef enum {
 
 typedef struct rdzv_event {
     rdzv_event_type type;
-    rdzv_round round;    /* FROZEN: the new round (caller frees with rdzv_event_free) */
+    rdzv_round round;     /* FROZEN: the new round (caller frees with rdzv_event_free) */
     int64_t round_number; /* ROUND_ENDED: the round that ended */
     rdzv_cause cause;     /* ROUND_ENDED */
     char node[129];       /* ROUND_ENDED: the node that caused it, if known */
@@ -137,17 +144,38 @@ int rdzv_fd(const rdzv *r);
  * that long. */
 rdzv_err rdzv_next_event(rdzv *r, int timeout_ms, rdzv_event *ev);
 
-/* A worker or peer failed in the current round: counts one job-wide restart
- * and ends the round (cause FAILURE). Past max_restarts the job is marked
- * failed and every agent gets RDZV_EV_JOB_FAILED. *restarts (may be NULL)
- * receives the new count. Only the first report about a round counts: when
- * the round this node was last frozen into has already ended (another agent
- * reported the same failure, or a member was lost), nothing is counted and
- * *restarts is the current count. */
+/* The failure-counting rule. A pod loss is a membership change, not a
+ * failure: only a first-hand failure uses the job's restart budget.
+ *
+ * rdzv_report_failure: a worker of this node failed first-hand (exited
+ * non-zero or by a signal its agent did not send, or said `failed`) in the
+ * round this node was last frozen into. Counts one job-wide restart, once
+ * per round whoever reports it: if the round is still current it ends
+ * (cause FAILURE); if it already ended without a count (a peer saw the
+ * crash first and reported a lost peer, a member was lost), the count is
+ * added to the current round. Past max_restarts the job is marked failed
+ * and every agent gets RDZV_EV_JOB_FAILED.
+ *
+ * rdzv_report_peer_lost: a worker of this node lost a peer (closed
+ * connection, timeout) or could not build the round's group. Ends the
+ * round (cause PEER_LOST) without counting, unless the round that ended
+ * just before also ended by a lost peer with exactly the same members
+ * (node ids and leases): then nothing changed and the same peer is still
+ * there but not working (hung, cut off), so it counts as a failure. A node
+ * that hangs therefore uses a restart every second round at most, and a
+ * job cannot loop forever uncounted. Nothing happens when the round has
+ * already ended.
+ *
+ * Both re-read and retry after an unavailable or ambiguous etcd answer (a
+ * leader change) until the lease TTL has passed (past it this node is out
+ * of the job anyway). *restarts (may be NULL) receives the job's count;
+ * *counted (may be NULL) whether this report added one. */
 rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts);
+rdzv_err rdzv_report_peer_lost(rdzv *r, const char *reason, int64_t *restarts, int *counted);
 
 /* The job completed: mark it done so that every agent, and any that starts
- * later, sees RDZV_EV_JOB_DONE / RDZV_ERR_JOB_DONE. */
+ * later, sees RDZV_EV_JOB_DONE / RDZV_ERR_JOB_DONE. Retries like the
+ * reports above. */
 rdzv_err rdzv_finish(rdzv *r);
 
 /* Leaves cleanly: marks the leave and revokes the lease, so peers notice at
@@ -171,12 +199,12 @@ typedef struct rdzv_status {
     rdzv_member *members; /* of the current round, by rank */
     int nnodes;           /* live nodes (registered) */
     char **nodes;
-    int nwaiting;         /* nodes waiting for a round with room */
+    int nwaiting; /* nodes waiting for a round with room */
     char **waiting;
     int64_t restarts;
     int max_restarts;
-    char job_state[16];   /* "running", "done", "failed" or "none" */
-    char reason[256];     /* why it failed, if it did */
+    char job_state[16]; /* "running", "done", "failed" or "none" */
+    char reason[256];   /* why it failed, if it did */
 } rdzv_status;
 
 rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *out, char *msg);
@@ -195,8 +223,7 @@ rdzv_err rdzv_store_set(rdzv_store *s, const char *key, const void *value, size_
 /* *value is malloc'd (NUL-terminated beyond len); RDZV_ERR_NOT_FOUND if absent. */
 rdzv_err rdzv_store_get(rdzv_store *s, const char *key, void **value, size_t *len);
 /* Waits (watch, not polling) for the key to exist, up to timeout_ms. */
-rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **value,
-                         size_t *len);
+rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **value, size_t *len);
 /* Atomic add on a decimal counter (created at 0); *value is the result. */
 rdzv_err rdzv_store_add(rdzv_store *s, const char *key, int64_t delta, int64_t *value);
 /* Returns once `count` participants have entered barrier `name`, or times out. */

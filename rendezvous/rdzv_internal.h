@@ -45,8 +45,11 @@ typedef struct rdzv_record {
     char **prev; /* node order of the last frozen round, kept for ranks */
     int64_t restarts;
     int max_restarts;
-    char job[16];   /* running, done, failed */
-    char cause[32]; /* why the previous round ended (rdzv_cause_name) */
+    int min_nodes, max_nodes; /* the job's --nnodes, set by the first agent (0: not kept) */
+    int64_t counted;          /* newest round whose first-hand failure was counted */
+    uint64_t peer_lost_of;    /* members hash of the round that ended by a lost peer */
+    char job[16];             /* running, done, failed */
+    char cause[32];           /* why the previous round ended (rdzv_cause_name) */
     char cause_node[129];
     char reason[RDZV_MSG_MAX];
 } rdzv_record;
@@ -61,6 +64,12 @@ int rdzv_node_id_valid(const char *node);
 char *rdzv_record_json(const rdzv_record *rec);
 rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out);
 void rdzv_record_free(rdzv_record *rec);
+/* Copies what every record carries from one round to the next: restart
+ * count and budget, the job's node limits, the counted round and the
+ * lost-peer hash. */
+void rdzv_record_carry(const rdzv_record *from, rdzv_record *to);
+/* Order-independent hash of the members (node id and lease). */
+uint64_t rdzv_record_members_hash(const rdzv_record *rec);
 /* Deep copy of the prev / member order used for ranks of the next round. */
 rdzv_err rdzv_record_copy_order(const rdzv_record *from, rdzv_record *to);
 int rdzv_record_member_index(const rdzv_record *rec, const char *node);

@@ -88,8 +88,8 @@ const char *rdzv_strerror(rdzv_err err)
     return "unknown error";
 }
 
-static const char *cause_names[] = {"none", "member_lost", "member_left", "node_waiting",
-                                    "failure"};
+static const char *cause_names[RDZV_CAUSE_COUNT] = {"none",         "member_lost", "member_left",
+                                                    "node_waiting", "failure",     "peer_lost"};
 
 const char *rdzv_cause_name(rdzv_cause cause)
 {
@@ -177,6 +177,16 @@ char *rdzv_record_json(const rdzv_record *rec)
         cJSON_AddItemToArray(prev, cJSON_CreateString(rec->prev[i]));
     cJSON_AddNumberToObject(o, "restarts", (double)rec->restarts);
     cJSON_AddNumberToObject(o, "max_restarts", rec->max_restarts);
+    if (rec->max_nodes > 0) {
+        cJSON_AddNumberToObject(o, "min_nodes", rec->min_nodes);
+        cJSON_AddNumberToObject(o, "max_nodes", rec->max_nodes);
+    }
+    if (rec->counted > 0) cJSON_AddNumberToObject(o, "counted", (double)rec->counted);
+    if (rec->peer_lost_of) {
+        char h[24];
+        snprintf(h, sizeof(h), "%016llx", (unsigned long long)rec->peer_lost_of);
+        cJSON_AddStringToObject(o, "peer_lost_of", h);
+    }
     cJSON_AddStringToObject(o, "job", rec->job[0] ? rec->job : "running");
     cJSON_AddStringToObject(o, "cause", rec->cause[0] ? rec->cause : "none");
     cJSON_AddStringToObject(o, "cause_node", rec->cause_node);
@@ -242,6 +252,25 @@ rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out)
     if (get_int(o, "restarts", 0, (int64_t)1 << 52, &out->restarts) != 0) goto err;
     if (get_int(o, "max_restarts", 0, 1 << 30, &v) != 0) goto err;
     out->max_restarts = (int)v;
+    /* Fields added later are optional: a record from an older agent has none. */
+    if (cJSON_GetObjectItemCaseSensitive(o, "max_nodes")) {
+        int64_t lo, hi;
+        if (get_int(o, "min_nodes", 1, 100000, &lo) != 0 ||
+            get_int(o, "max_nodes", lo, 100000, &hi) != 0)
+            goto err;
+        out->min_nodes = (int)lo;
+        out->max_nodes = (int)hi;
+    }
+    if (cJSON_GetObjectItemCaseSensitive(o, "counted") &&
+        get_int(o, "counted", 0, (int64_t)1 << 52, &out->counted) != 0)
+        goto err;
+    char hash[24];
+    if (get_str(o, "peer_lost_of", hash, sizeof(hash)) != 0) goto err;
+    if (hash[0]) {
+        char *end = NULL;
+        out->peer_lost_of = strtoull(hash, &end, 16);
+        if (!end || *end) goto err;
+    }
     if (get_str(o, "job", out->job, sizeof(out->job)) != 0) goto err;
     if (strcmp(out->job, "running") != 0 && strcmp(out->job, "done") != 0 &&
         strcmp(out->job, "failed") != 0)
@@ -254,6 +283,7 @@ rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out)
     const cJSON *ms = cJSON_GetObjectItemCaseSensitive(o, "members");
     if (!cJSON_IsArray(ms)) goto err;
     int n = cJSON_GetArraySize(ms);
+    if (n > 100000) goto err; /* with lws <= RDZV_MAX_LOCAL_WORLD, a world fits an int */
     if (n > 0) {
         out->members = calloc((size_t)n, sizeof(*out->members));
         if (!out->members) {
@@ -270,7 +300,7 @@ rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out)
         const cJSON *lease = cJSON_GetObjectItemCaseSensitive(m, "lease");
         if (!cJSON_IsString(node) || !rdzv_node_id_valid(node->valuestring)) goto err;
         if (!cJSON_IsString(addr) || !cJSON_IsString(lease)) goto err;
-        if (get_int(m, "lws", 1, 1 << 20, &v) != 0) goto err;
+        if (get_int(m, "lws", 1, RDZV_MAX_LOCAL_WORLD, &v) != 0) goto err;
         dst->lws = (int)v;
         char *end = NULL;
         dst->lease = strtoll(lease->valuestring, &end, 10);
@@ -310,6 +340,34 @@ err:
     cJSON_Delete(o);
     rdzv_record_free(out);
     return err;
+}
+
+void rdzv_record_carry(const rdzv_record *from, rdzv_record *to)
+{
+    to->restarts = from->restarts;
+    to->max_restarts = from->max_restarts;
+    to->min_nodes = from->min_nodes;
+    to->max_nodes = from->max_nodes;
+    to->counted = from->counted;
+    to->peer_lost_of = from->peer_lost_of;
+}
+
+uint64_t rdzv_record_members_hash(const rdzv_record *rec)
+{
+    /* FNV-1a of each "node/lease", summed: the same set in any order. */
+    uint64_t sum = 0;
+    for (int i = 0; i < rec->nmembers; i++) {
+        char buf[200];
+        int n = snprintf(buf, sizeof(buf), "%s/%lld", rec->members[i].node,
+                         (long long)rec->members[i].lease);
+        uint64_t h = 1469598103934665603ULL;
+        for (int j = 0; j < n && j < (int)sizeof(buf); j++) {
+            h ^= (unsigned char)buf[j];
+            h *= 1099511628211ULL;
+        }
+        sum += h;
+    }
+    return sum ? sum : 1;
 }
 
 rdzv_err rdzv_record_copy_order(const rdzv_record *from, rdzv_record *to)

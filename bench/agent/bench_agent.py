@@ -8,6 +8,9 @@ means every worker of the new round has started and written its report.
   SIGKILL, workers see it   an agent is killed; its peers' workers lose their
                             connection to it (AGENT_TEST_MESH) and fail the
                             round. Baseline: the lease TTL (the silent bound).
+  SIGKILL, no budget        the same with --max-restarts 0: a pod lost is a
+                            membership change, so the job must carry on
+                            ("job failed" when an agent counted it).
   SIGKILL, silent           no worker notices; only the lease expiry does.
                             Baseline: the lease TTL.
   SIGTERM                   the agent leaves cleanly. Baseline: the lease TTL
@@ -38,26 +41,36 @@ TTL = 5
 LAST_CALL = 0.5
 
 
-def flags():
+def flags(max_restarts=1000):
     return ["--lease-ttl", str(TTL), "--last-call", str(LAST_CALL), "--stop-grace", "2",
-            "--nnodes", "3:4", "--max-restarts", "1000", "--join-timeout", "60"]
+            "--nnodes", "3:4", "--max-restarts", str(max_restarts), "--join-timeout", "60"]
 
 
-def four(name, env=None):
-    job = at.Job(name, flags())
+class JobFailed(Exception):
+    pass
+
+
+def four(name, env=None, max_restarts=1000):
+    job = at.Job(name, flags(max_restarts))
     agents = [job.start("node-%d" % i, env=env) for i in range(4)]
     rnd = job.wait_round(4, 60)
     time.sleep(0.3)
     return job, agents, rnd
 
 
-def trial_kill(i, mesh):
-    job, agents, rnd = four("bench-kill-%d-%d-%d" % (mesh, i, os.getpid()),
-                            {"AGENT_TEST_MESH": "1"} if mesh else None)
+def trial_kill(i, mesh, max_restarts=1000):
+    job, agents, rnd = four("bench-kill-%d-%d-%d-%d" % (mesh, max_restarts, i, os.getpid()),
+                            {"AGENT_TEST_MESH": "1"} if mesh else None, max_restarts)
     try:
         t0 = time.monotonic()
         agents[3].proc.kill()
-        job.wait_round(3, TTL + 30, newer_than=rnd)
+
+        def next_round():
+            if any(not a.alive() for a in agents[:3]):
+                raise JobFailed()
+            r = job.running_round(3)
+            return r if r is not None and r > rnd else None
+        at.wait_for(next_round, TTL + 30, "a round of 3")
         return time.monotonic() - t0
     finally:
         job.cleanup(False)
@@ -153,6 +166,12 @@ def main():
     try:
         timed("SIGKILL -> next round running (workers see it)", lambda i: trial_kill(i, True),
               "lease TTL", TTL)
+        try:
+            timed("SIGKILL, --max-restarts 0 -> next round running",
+                  lambda i: trial_kill(i, True, 0), "lease TTL", TTL)
+        except JobFailed:
+            rows.append(("SIGKILL, --max-restarts 0 -> next round running", "job failed",
+                         "lease TTL", "%.3f s" % TTL, float("nan")))
         timed("SIGKILL -> next round running (silent, lease)", lambda i: trial_kill(i, False),
               "lease TTL", TTL)
         timed("SIGTERM -> next round running", trial_term, "lease TTL", TTL)

@@ -32,7 +32,7 @@ static void roundtrip(const agent_ctl_msg *m)
     CHECK(back.group_world_size == m->group_world_size && back.restarts == m->restarts);
     CHECK(strcmp(back.master_addr, m->master_addr) == 0 && back.master_port == m->master_port);
     CHECK(strcmp(back.store_prefix, m->store_prefix) == 0 && back.step == m->step);
-    CHECK(strcmp(back.reason, m->reason) == 0);
+    CHECK(strcmp(back.reason, m->reason) == 0 && back.graceful == m->graceful);
 }
 
 int main(void)
@@ -51,6 +51,9 @@ int main(void)
     roundtrip(&m);
     agent_ctl_msg simple[] = {
         {.type = AGENT_CTL_ABORT, .round = 9},
+        {.type = AGENT_CTL_ABORT, .round = 9, .graceful = 1},
+        {.type = AGENT_CTL_PEER_LOST, .round = 7, .reason = "allreduce: rank 2 closed"},
+        {.type = AGENT_CTL_PEER_LOST, .round = 0, .reason = ""},
         {.type = AGENT_CTL_STOP},
         {.type = AGENT_CTL_READY},
         {.type = AGENT_CTL_STEP, .step = 123456789012LL},
@@ -62,6 +65,10 @@ int main(void)
 
     agent_ctl_msg out;
     CHECK(agent_ctl_parse("step 7\r\n", &out) == 0 && out.step == 7);
+    /* An abort without a kind is the old form: a peer is lost. */
+    CHECK(agent_ctl_parse("abort 4", &out) == 0 && out.round == 4 && !out.graceful);
+    CHECK(agent_ctl_parse("abort 4 graceful", &out) == 0 && out.graceful);
+    CHECK(agent_ctl_parse("peer_lost 5", &out) == 0 && out.round == 5 && !out.reason[0]);
     const char *bad[] = {
         "",
         "\n",
@@ -72,6 +79,11 @@ int main(void)
         "step 1 2",
         "abort",
         "abort x",
+        "abort 3 maybe",
+        "abort 3 graceful extra",
+        "peer_lost",
+        "peer_lost x reason",
+        "peer_lost -2 reason",
         "stop now",
         "ready 1",
         "round 1 0 2 0 0 1 0 a 1",                        /* missing prefix */

@@ -14,8 +14,9 @@
  *
  * AGENT_TEST_IGNORE_TERM=1 ignores SIGTERM from the start. AGENT_TEST_MESH=1
  * links the workers of a round: rank 0 listens on MASTER_PORT, the others
- * connect, and any side that sees its peer's connection close exits 1 (as
- * a collective does when a peer dies). It also prints "hello from rank R" on
+ * connect, and any side that sees its peer's connection close reports
+ * `peer_lost ROUND` on the control channel and exits 1 (as the trainer does
+ * when a collective loses a peer). It also prints "hello from rank R" on
  * stdout and "stderr of rank R" on stderr.
  */
 #include "control.h"
@@ -170,6 +171,7 @@ int main(void)
 
     int hang = 0;
     long step = 0;
+    long long round = getenv("DUCTILE_ROUND") ? atoll(getenv("DUCTILE_ROUND")) : 0;
     double next_step = now() + 0.5;
     for (;;) {
         if (got_term) {
@@ -233,7 +235,9 @@ int main(void)
                         (long long)m.round, m.rank, m.world_size, m.local_rank, m.group_rank,
                         m.group_world_size, (long long)m.restarts, m.master_addr, m.master_port,
                         m.store_prefix);
-                if (m.type == AGENT_CTL_ABORT) say(dir, "abort %lld", (long long)m.round);
+                if (m.type == AGENT_CTL_ROUND) round = m.round;
+                if (m.type == AGENT_CTL_ABORT)
+                    say(dir, "abort %lld %s", (long long)m.round, m.graceful ? "graceful" : "lost");
                 if (m.type == AGENT_CTL_STOP) {
                     say(dir, "stop");
                     if (!ignore_term) return 0;
@@ -245,6 +249,10 @@ int main(void)
                 char b[16];
                 if (read(p[i].fd, b, sizeof(b)) <= 0) {
                     say(dir, "peer-lost");
+                    char line[128];
+                    int len =
+                        snprintf(line, sizeof(line), "peer_lost %lld mesh peer closed\n", round);
+                    if (ctl >= 0 && write(ctl, line, (size_t)len) != len) ctl = -1;
                     return 1;
                 }
             }

@@ -4,11 +4,14 @@
  *   rdzv_participant --endpoints URL --job J --node N [--addr A] [--lws K]
  *       [--min N] [--max N] [--last-call-ms MS] [--ttl S] [--join-timeout-ms MS]
  *       [--max-restarts N] [--etcd-timeout-ms MS] [--exit-after-frozen N]
+ *       [--failpoints SPEC]
  *
  * Every event becomes one line on stdout ("WORD key=value ..."), flushed at
  * once, so a test can read what each participant believes. Commands on
- * stdin, one per line: leave, fail REASON, finish, close. EOF on stdin closes
- * the handle without leaving (peers then see the lease expire).
+ * stdin, one per line: leave, fail REASON (a first-hand failure), lost
+ * REASON (a lost peer), finish, close. EOF on stdin closes the handle
+ * without leaving (peers then see the lease expire). --failpoints sets
+ * DUCTILE_FAILPOINTS for this process (failpoint.h).
  */
 #include "rdzv.h"
 
@@ -144,6 +147,8 @@ int main(int argc, char **argv)
             cfg.etcd.timeout_ms = int_arg(v, f);
         else if (!strcmp(f, "--exit-after-frozen"))
             exit_after = int_arg(v, f);
+        else if (!strcmp(f, "--failpoints"))
+            setenv("DUCTILE_FAILPOINTS", v, 1);
         else
             usage();
     }
@@ -196,6 +201,12 @@ int main(int argc, char **argv)
                 err = rdzv_report_failure(r, line[4] ? line + 5 : "", &count);
                 printf("REPORTED node=%s rc=%s restarts=%lld\n", cfg.node_id, err_name(err),
                        (long long)count);
+            } else if (!strncmp(line, "lost", 4)) {
+                int64_t count = -1;
+                int counted = -1;
+                err = rdzv_report_peer_lost(r, line[4] ? line + 5 : "", &count, &counted);
+                printf("REPORTED node=%s rc=%s restarts=%lld counted=%d\n", cfg.node_id,
+                       err_name(err), (long long)count, counted);
             } else if (!strcmp(line, "finish")) {
                 err = rdzv_finish(r);
                 printf("FINISHED node=%s rc=%s\n", cfg.node_id, err_name(err));
