@@ -57,6 +57,12 @@
 
 #define AGENT_CTL_MAX_LINE 1024
 #define AGENT_CTL_ENV "DUCTILE_CONTROL_FD"
+/* A worker that exits with this status (EX_TEMPFAIL) lost a peer, as if it
+ * had said `peer_lost` for its round: for a worker that could not build its
+ * group at all, or any program that can tell (a PyTorch script can
+ * sys.exit(75) on a lost gloo/NCCL peer). Not counted against
+ * --max-restarts. */
+#define AGENT_CTL_EXIT_PEER_LOST 75
 
 typedef enum {
     AGENT_CTL_INVALID = 0,

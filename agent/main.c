@@ -1212,8 +1212,13 @@ static void on_reaped(agent *a, pid_t pid, int status)
         if (!ok) {
             char reason[300];
             snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
-            /* First-hand unless the agent itself signalled it. */
-            worker_failed(a, reason, !w->signalled);
+            /* First-hand unless the agent itself signalled it, or the
+             * worker's status says it lost a peer. */
+            int lost = WIFEXITED(status) && WEXITSTATUS(status) == AGENT_CTL_EXIT_PEER_LOST;
+            if (lost)
+                snprintf(reason, sizeof(reason), "worker rank %d lost a peer (exit status %d)",
+                         w->rank, AGENT_CTL_EXIT_PEER_LOST);
+            worker_failed(a, reason, !w->signalled && !lost);
             return;
         }
         if (workers_alive(a) == 0) {

@@ -21,10 +21,16 @@
  *                    let etcd apply it, then report the answer as lost (the
  *                    "may have been applied" case of a leader change);
  *                    sleep:MS: stall the call that long, then make it.
- *   ring.connect     the ring's bootstrap (store, listen, connect); ACTION
- *                    fail.
- *   ring.collective  a collective on the ring; ACTION closed (as if a peer
- *                    closed its connection).
+ *   ring.connect     a ring bootstrap of world >= 2 (the first and every
+ *                    rebuild); ACTION fail: it fails at once with a timeout,
+ *                    as if the left neighbour never connected, and publishes
+ *                    nothing (its peers time out too).
+ *   ring.collective  a collective that reaches the ring (world > 1, not
+ *                    empty, comm alive); ACTION closed: it fails as a peer's
+ *                    closed connection does, and the comm is dead after.
+ *   train.step       the start of every optimizer step of ductile-train;
+ *                    ACTION sleep:MS (a slow step) or fail (a first-hand
+ *                    error of this worker).
  *
  * ductile-agent passes DUCTILE_WORKER_FAILPOINTS to its workers as their
  * DUCTILE_FAILPOINTS (and never its own), so one test can break the agent

@@ -39,6 +39,12 @@ const char *comm_strerror(comm_err err)
     return "unknown error";
 }
 
+int comm_err_is_peer(comm_err err)
+{
+    return err == COMM_ERR_PEER || err == COMM_ERR_TIMEOUT || err == COMM_ERR_ABORTED ||
+           err == COMM_ERR_STORE;
+}
+
 void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size)
 {
     c->ops = ops;
@@ -133,6 +139,13 @@ void comm_abort(comm *c)
     if (!c) return;
     atomic_store(&c->aborted, 1);
     c->ops->abort(c);
+}
+
+comm_err comm_error(const comm *c)
+{
+    if (!c) return COMM_OK;
+    if (c->dead != COMM_OK) return c->dead;
+    return comm_is_aborted(c) ? COMM_ERR_ABORTED : COMM_OK;
 }
 
 const char *comm_last_error(const comm *c)

@@ -18,7 +18,7 @@
 
 typedef enum {
     COMM_OK = 0,
-    COMM_ERR_ARG,     /* invalid argument */
+    COMM_ERR_ARG, /* invalid argument */
     COMM_ERR_NOMEM,
     COMM_ERR_SYS,     /* a socket or system call failed */
     COMM_ERR_PEER,    /* a peer closed its connection or sent garbage */
@@ -31,14 +31,22 @@ typedef enum {
 
 const char *comm_strerror(comm_err err);
 
+/* 1 when err says a peer went away, not that this process failed: a closed
+ * connection (PEER), a silent peer (TIMEOUT), an abort (the group was
+ * dropped because a peer was lost) or the round store refusing the round
+ * (STORE: it was superseded). The rest (ARG, NOMEM, SYS, CUDA, NCCL) are
+ * this process's own. An elastic trainer reports the first kind to its
+ * agent as `peer_lost`, the second as `failed`. */
+int comm_err_is_peer(comm_err err);
+
 typedef struct comm_config {
     int rank;
     int world_size;
-    rdzv_store *store;   /* the round's store: bootstrap addresses / NCCL id */
-    const char *host;    /* address to listen on and publish (default 127.0.0.1) */
-    int timeout_ms;      /* deadline for a silent peer (default 30000) */
-    size_t chunk_bytes;  /* ring pipeline chunk (default 256 KiB) */
-    int device;          /* NCCL: CUDA device ordinal */
+    rdzv_store *store;  /* the round's store: bootstrap addresses / NCCL id */
+    const char *host;   /* address to listen on and publish (default 127.0.0.1) */
+    int timeout_ms;     /* deadline for a silent peer (default 30000) */
+    size_t chunk_bytes; /* ring pipeline chunk (default 256 KiB) */
+    int device;         /* NCCL: CUDA device ordinal */
 } comm_config;
 
 typedef struct comm comm;
@@ -61,6 +69,9 @@ comm_err comm_barrier(comm *c);
 
 /* Thread-safe, async-signal-unsafe: fail calls in flight and all later ones. */
 void comm_abort(comm *c);
+/* The error a failed or aborted comm answers every call with (COMM_OK
+ * while it works). Call it when no collective is in flight on c. */
+comm_err comm_error(const comm *c);
 /* One line on the last error ("" if none). */
 const char *comm_last_error(const comm *c);
 void comm_free(comm *c);

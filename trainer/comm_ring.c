@@ -36,8 +36,17 @@
  *
  * Headers are in host byte order: every rank of a job runs the same binary
  * on the same architecture.
+ *
+ * Failpoints (rendezvous/failpoint.h), for tests of the fault paths:
+ * ring.connect (counted per bootstrap of a ring of two or more) with action
+ * fail makes the bootstrap fail at once as if the left neighbour never
+ * showed up (COMM_ERR_TIMEOUT, nothing published); ring.collective (counted
+ * per collective that reaches the ring: world > 1, non-empty) with action
+ * closed fails it as a closed connection does (COMM_ERR_PEER, both sockets
+ * shut so the neighbours see a closed peer, the comm dead).
  */
 #include "comm_impl.h"
+#include "failpoint.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -446,8 +455,24 @@ static comm_err check_right(ring *g)
     return sock_error(g, errno, right_rank(g), "connection to");
 }
 
+/* 1 when failpoint `name` fires with `action` on this call; another action
+ * is a typo in a test: said on stderr, and ignored. */
+static int ring_failpoint(const char *name, const char *action)
+{
+    const char *a = failpoint(name);
+    if (!a) return 0;
+    if (strcmp(a, action) == 0) return 1;
+    fprintf(stderr, "comm: failpoint %s: unknown action '%s' ignored\n", name, a);
+    return 0;
+}
+
 static comm_err ring_run(ring *g, const plan *p, uint32_t op, uint64_t size, uint32_t root)
 {
+    if (ring_failpoint("ring.collective", "closed"))
+        return ring_fail(g, COMM_ERR_PEER,
+                         "left neighbour (rank %d) closed the connection (failpoint "
+                         "ring.collective)",
+                         left_rank(g));
     xfer x;
     memset(&x, 0, sizeof(x));
     x.g = g;
@@ -853,6 +878,10 @@ static comm_err store_error(ring *g, rdzv_store *s, rdzv_err e, const char *what
 
 static comm_err ring_bootstrap(ring *g, const comm_config *cfg)
 {
+    if (ring_failpoint("ring.connect", "fail"))
+        return comm_fail(&g->base, COMM_ERR_TIMEOUT,
+                         "left neighbour (rank %d) did not connect (failpoint ring.connect)",
+                         left_rank(g));
     const char *host = cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1";
     int64_t deadline = now_ms() + g->timeout_ms;
     int lfd = -1, port = 0;

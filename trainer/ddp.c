@@ -42,6 +42,8 @@ struct ddp_reducer {
     char *param_ready;
     int sync;
     int marked_twice;
+    ddp_vote_fn vote; /* late stop vote, or NULL */
+    void *vote_ctx;
 
     int have_thread;
     pthread_t thread;
@@ -234,6 +236,22 @@ void ddp_begin(ddp_reducer *r, int sync, int want_stop)
     r->marked_twice = 0;
 }
 
+void ddp_set_vote(ddp_reducer *r, ddp_vote_fn fn, void *ctx)
+{
+    r->vote = fn;
+    r->vote_ctx = ctx;
+}
+
+/* Before the flag's bucket is marked: a late vote may still set the flag. */
+static void late_vote(ddp_reducer *r)
+{
+    if (!r->vote || !r->vote(r->vote_ctx)) return;
+    if (r->m->dev)
+        gpu_fill(r->m, r->grads + r->flag, 1, 1.0f);
+    else
+        r->grads[r->flag] = 1.0f;
+}
+
 void ddp_mark_ready(void *ctx, int param)
 {
     ddp_reducer *r = ctx;
@@ -245,6 +263,7 @@ void ddp_mark_ready(void *ctx, int param)
     r->param_ready[param] = 1;
     int b = r->bucket_of[param];
     if (--r->buckets[b].pending != 0) return;
+    if (b == r->nbuckets - 1) late_vote(r);
     if (r->m->dev) gpu_mark(r->m, b); /* after the kernels that wrote the bucket */
     if (r->overlap && r->have_thread) {
         pthread_mutex_lock(&r->mu);

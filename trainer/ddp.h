@@ -64,6 +64,13 @@ float *ddp_grads(ddp_reducer *r); /* the flat gradient array */
 /* Starts a micro-step. sync 0 = no_sync: gradients accumulate locally and
  * nothing is reduced. want_stop is this rank's vote for the stop flag. */
 void ddp_begin(ddp_reducer *r, int sync, int want_stop);
+/* A late vote: in a synchronised micro-step, fn(ctx) is asked once more on
+ * the calling thread just before the flag's bucket leaves, and 1 adds a stop
+ * vote, so something that happened during this step's compute (a signal,
+ * the end of an elastic round) still stops every rank right after it. The
+ * sum stays the same on every rank whenever each one voted. NULL: none. */
+typedef int (*ddp_vote_fn)(void *ctx);
+void ddp_set_vote(ddp_reducer *r, ddp_vote_fn fn, void *ctx);
 /* model_ready_fn for model_backward: ctx is the reducer. */
 void ddp_mark_ready(void *ctx, int param);
 /* Ends a micro-step: in a synchronised step waits for every bucket, divides

@@ -2,11 +2,13 @@
  * the group takes after a rebuild (see elastic.h).
  *
  * The thread owns the reading end of the channel: it turns `abort` into a
- * flag the training loop reads at every step, and, when the step in flight
- * does not reach its boundary within ELASTIC_GRACE_MS, into comm_abort() on
- * the communicator the loop attached. `round` lines are kept (the newest
- * wins) for elastic_wait_round(). All shared fields sit under one mutex;
- * the communicator is only aborted while attached, and the loop detaches it
+ * flag the training loop reads at every step and, when the round ended as
+ * lost, into comm_abort() on the communicator the loop attached. There is
+ * no timer: whether the step in flight may finish is the agent's word
+ * (graceful or lost), so a slow step is never cut short and a dead peer is
+ * never waited for. `round` lines are kept (the newest wins) for
+ * elastic_wait_round(). All shared fields sit under one mutex; the
+ * communicator is only aborted while attached, and the loop detaches it
  * before freeing it, so the thread never touches a freed one.
  */
 #include "elastic.h"
@@ -30,14 +32,14 @@ struct elastic {
     pthread_mutex_t mu, wmu;
     pthread_cond_t cv;
     int quit;
-    int closed;       /* EOF or error on the channel */
-    int inplace;      /* a `round` line was seen */
-    int stop;         /* `stop` received */
-    int64_t current;  /* the round the trainer is in */
-    int64_t ending;   /* newest round told to end (-1: none) */
-    double ending_at; /* when `abort` came */
-    comm *c;          /* communicator to abort, or NULL */
-    int aborted;      /* comm_abort() done on c */
+    int closed;      /* EOF or error on the channel */
+    int inplace;     /* a `round` line was seen */
+    int stop;        /* `stop` received */
+    int64_t current; /* the round the trainer is in */
+    int64_t ending;  /* newest round told to end, either way (-1: none) */
+    int64_t lost;    /* newest round told to end as lost (-1: none) */
+    comm *c;         /* communicator to abort, or NULL */
+    int aborted;     /* comm_abort() done on c */
     int have_next;
     elastic_round next; /* the newest announced round */
     char buf[AGENT_CTL_MAX_LINE + 1];
@@ -74,6 +76,26 @@ static double mono_s(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* Under e->mu: whether the collectives of the current round must be
+ * abandoned now. A graceful ending keeps them (every member is alive, the
+ * step in flight may finish) even when the next round is already known;
+ * a lost one, a newer round that no `abort` announced, or a closed channel
+ * (nothing will answer) does not. */
+static int must_abort(const elastic *e)
+{
+    if (e->closed || e->lost >= e->current) return 1;
+    return e->have_next && e->next.round > e->current && e->ending < e->current;
+}
+
+/* Under e->mu: aborts the attached communicator when the round says so. */
+static void abort_if_needed(elastic *e)
+{
+    if (e->c && !e->aborted && must_abort(e)) {
+        comm_abort(e->c);
+        e->aborted = 1;
+    }
+}
+
 /* Under e->mu: one message from the agent. */
 static void on_message(elastic *e, const agent_ctl_msg *m)
 {
@@ -87,17 +109,10 @@ static void on_message(elastic *e, const agent_ctl_msg *m)
         e->next.local_rank = m->local_rank;
         snprintf(e->next.store_prefix, sizeof(e->next.store_prefix), "%s", m->store_prefix);
         e->have_next = 1;
-        /* A newer round exists: whatever the current one does is over. */
-        if (e->c && !e->aborted) {
-            comm_abort(e->c);
-            e->aborted = 1;
-        }
         break;
     case AGENT_CTL_ABORT:
-        if (m->round > e->ending) {
-            e->ending = m->round;
-            e->ending_at = mono_s();
-        }
+        if (m->round > e->ending) e->ending = m->round;
+        if (!m->graceful && m->round > e->lost) e->lost = m->round;
         break;
     case AGENT_CTL_STOP:
         e->stop = 1;
@@ -105,6 +120,7 @@ static void on_message(elastic *e, const agent_ctl_msg *m)
     default:
         break;
     }
+    abort_if_needed(e);
     pthread_cond_broadcast(&e->cv);
 }
 
@@ -137,26 +153,16 @@ static void *control_thread(void *arg)
     elastic *e = arg;
     for (;;) {
         pthread_mutex_lock(&e->mu);
-        int quit = e->quit;
-        /* The grace for the step in flight is over: abort under it. */
-        if (e->ending >= e->current && e->c && !e->aborted &&
-            mono_s() - e->ending_at > ELASTIC_GRACE_MS / 1000.0) {
-            comm_abort(e->c);
-            e->aborted = 1;
-        }
-        int closed = e->closed;
+        int quit = e->quit, closed = e->closed;
         pthread_mutex_unlock(&e->mu);
         if (quit || closed) break;
+        /* The timeout only bounds how long elastic_close() waits for quit. */
         struct pollfd p = {.fd = e->fd, .events = POLLIN};
         int r = poll(&p, 1, 50);
         if (r > 0 && read_channel(e) != 0) {
             pthread_mutex_lock(&e->mu);
-            e->closed = 1;
-            /* The agent is gone: nothing will answer a collective now. */
-            if (e->c && !e->aborted) {
-                comm_abort(e->c);
-                e->aborted = 1;
-            }
+            e->closed = 1; /* the agent is gone: nothing will answer a collective now */
+            abort_if_needed(e);
             pthread_cond_broadcast(&e->cv);
             pthread_mutex_unlock(&e->mu);
         }
@@ -172,7 +178,7 @@ elastic_err elastic_open(int fd, int64_t round, elastic **out)
     if (!e) return ELASTIC_ERR_NOMEM;
     e->fd = fd;
     e->current = round;
-    e->ending = -1;
+    e->ending = e->lost = -1;
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -212,12 +218,9 @@ void elastic_attach(elastic *e, comm *c, int64_t round)
     e->c = c;
     e->aborted = 0;
     e->current = round;
-    /* An `abort` of this round that came before the group formed still
-     * counts (ending >= current); a newer round makes this one moot. */
-    if (c && e->have_next && e->next.round > round) {
-        comm_abort(c);
-        e->aborted = 1;
-    }
+    /* An `abort` of this round, or a newer round, that came before the
+     * group formed still counts. */
+    abort_if_needed(e);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -254,13 +257,24 @@ void elastic_report_step(elastic *e, int64_t step)
     send_line(e, &m);
 }
 
-void elastic_report_failed(elastic *e, const char *why)
+/* A failure report: REASON is the rest of the line, so no line breaks. */
+static void send_failure(elastic *e, agent_ctl_type type, int64_t round, const char *why)
 {
-    agent_ctl_msg m = {.type = AGENT_CTL_FAILED};
+    agent_ctl_msg m = {.type = type, .round = round};
     snprintf(m.reason, sizeof(m.reason), "%s", why);
     for (char *p = m.reason; *p; p++)
         if (*p == '\n' || *p == '\r') *p = ' ';
     send_line(e, &m);
+}
+
+void elastic_report_failed(elastic *e, const char *why)
+{
+    send_failure(e, AGENT_CTL_FAILED, 0, why);
+}
+
+void elastic_report_peer_lost(elastic *e, int64_t round, const char *why)
+{
+    send_failure(e, AGENT_CTL_PEER_LOST, round, why);
 }
 
 elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int timeout_ms,
@@ -326,6 +340,34 @@ elastic_err elastic_agree(comm *c, const elastic_claim *mine, int *root, elastic
     return ELASTIC_OK;
 }
 
+elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
+{
+    if (!c || n < 0 || (n > 0 && !parts)) return ELASTIC_ERR_ARG;
+    int receiving = comm_rank(c) != root;
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += parts[i].bytes;
+    /* Knowingly simple: one scratch copy of the whole state (the model's
+     * size again, for the moment of a rebuild); receiving straight into the
+     * state and undoing on failure would need the same copy, kept first. */
+    char *scratch = receiving && total > 0 ? malloc(total) : NULL;
+    if (receiving && total > 0 && !scratch) return ELASTIC_ERR_NOMEM;
+    elastic_err err = ELASTIC_OK;
+    size_t off = 0;
+    for (int i = 0; i < n && err == ELASTIC_OK; i++) {
+        void *buf = !receiving ? parts[i].data : scratch ? scratch + off : NULL;
+        if (comm_broadcast(c, buf, parts[i].bytes, root) != COMM_OK) err = ELASTIC_ERR_COMM;
+        off += parts[i].bytes;
+    }
+    off = 0;
+    for (int i = 0; i < n && receiving && err == ELASTIC_OK; i++) {
+        if (parts[i].bytes > 0) memcpy(parts[i].data, scratch + off, parts[i].bytes);
+        off += parts[i].bytes;
+    }
+    free(scratch);
+    return err;
+}
+
 elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, int cuda,
                             rdzv_store **store, comm **c, char *msg)
 {
@@ -357,13 +399,16 @@ elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, in
     if (!cc.host) cc.host = getenv("DUCTILE_NODE_ADDR");
     comm_err ce = cuda ? comm_nccl_init(&cc, c) : comm_ring_init(&cc, c);
     if (ce != COMM_OK) {
-        snprintf(msg, 256, "round %lld: building the %s: %s: %s", (long long)rd->round,
-                 cuda ? "NCCL communicator" : "ring", comm_strerror(ce),
-                 rdzv_store_last_error(*store));
+        /* The backend logged the detail; the store's last error may add to it. */
+        const char *detail = rdzv_store_last_error(*store);
+        snprintf(msg, 256, "round %lld: building the %s: %s%s%s", (long long)rd->round,
+                 cuda ? "NCCL communicator" : "ring", comm_strerror(ce), detail[0] ? ": " : "",
+                 detail);
         rdzv_store_close(*store);
         *store = NULL;
         *c = NULL;
-        return ELASTIC_ERR_COMM;
+        if (comm_err_is_peer(ce)) return ELASTIC_ERR_COMM;
+        return ce == COMM_ERR_NOMEM ? ELASTIC_ERR_NOMEM : ELASTIC_ERR_SYS;
     }
     return ELASTIC_OK;
 }

@@ -1,18 +1,30 @@
 /* elastic.h: the trainer's side of the agent's in-place rebuild protocol.
  *
  * Under ductile-agent a trainer has a control channel (DUCTILE_CONTROL_FD,
- * agent/control.h). A thread reads it: `abort N` marks round N as ending, so
- * the trainer votes to stop after the step in flight (a clean step boundary,
- * no step lost); if that step does not end within a short grace (a peer is
- * dead or silent), the thread aborts the communicator, the step fails and is
+ * agent/control.h). A thread reads it. `abort N KIND` marks round N as
+ * ending, so the trainer votes to stop after the step in flight (a clean
+ * step boundary, no step lost). How the step in flight ends is KIND's,
+ * never a clock's: graceful (every member is alive) lets it finish however
+ * long it takes, bounded only by the collectives' own deadline; lost (a
+ * peer is gone) aborts the communicator at once, the step fails and is
  * discarded. `round N ...` is the next round: the trainer rebuilds its ring
  * through round N's store and the group agrees on the most advanced state.
+ * A newer round while the current one ends gracefully changes nothing for
+ * the step in flight; a newer round with no `abort` before it counts as
+ * lost.
  *
  * The agreement: every rank says (has state, round of that state, steps
  * done); the newest (round, step) wins, lowest rank on ties, and that rank
  * broadcasts the training position, parameters and optimizer state to all,
  * newcomers included. A rank cut off in an old round carries an old round
- * number, so it can never win over the job that went on without it.
+ * number, so it can never win over the job that went on without it; a rank
+ * whose copy of the broadcast broke half-way keeps its old state and claim
+ * (elastic_share), so a half-received state can never win either.
+ *
+ * Failures go back to the agent as one of two kinds (agent/control.h):
+ * `peer_lost N` when a peer vanished under a collective or round N's group
+ * could not be built (a membership change), `failed` when this worker
+ * failed first-hand (it counts against --max-restarts).
  */
 #ifndef DUCTILE_ELASTIC_H
 #define DUCTILE_ELASTIC_H
@@ -39,9 +51,6 @@ const char *elastic_strerror(elastic_err err);
 /* How long a kept trainer waits for the next round (the job may be below
  * its minimum size for a while) before giving up. */
 #define ELASTIC_WAIT_MS (30 * 60 * 1000)
-/* How long a step in flight may take to end after `abort` before the
- * communicator is aborted under it. */
-#define ELASTIC_GRACE_MS 750
 
 typedef struct elastic elastic;
 
@@ -56,16 +65,21 @@ typedef struct elastic_round {
 elastic_err elastic_open(int fd, int64_t round, elastic **out);
 void elastic_close(elastic *e);
 
-/* The communicator `abort` may abort (NULL: none). Call with NULL before
- * freeing a communicator. Also sets the trainer's current round. */
+/* The communicator a lost ending may abort (NULL: none). Call with NULL
+ * before freeing a communicator. Also sets the trainer's current round; a
+ * communicator attached to a round that already ended as lost (or that a
+ * newer round superseded with no graceful `abort`) is aborted at once. */
 void elastic_attach(elastic *e, comm *c, int64_t round);
 /* 1 once the agent has sent a `round` line: it rebuilds in place. */
 int elastic_inplace(elastic *e);
 /* 1 when the current round has been told to end: vote to stop. */
 int elastic_ending(elastic *e);
-/* Progress and failure reports to the agent (best effort). */
+/* Progress and failure reports to the agent (best effort): `step K`,
+ * `failed WHY` (a first-hand failure) and `peer_lost ROUND WHY` (a peer
+ * vanished in ROUND, or ROUND's group could not be built). */
 void elastic_report_step(elastic *e, int64_t step);
 void elastic_report_failed(elastic *e, const char *why);
+void elastic_report_peer_lost(elastic *e, int64_t round, const char *why);
 
 /* Waits for a round newer than the current one; ELASTIC_ERR_STOP when
  * *stop becomes non-zero or the agent sends `stop`. */
@@ -74,7 +88,11 @@ elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int time
 
 /* Opens round rd's store and builds its communicator (base gives host,
  * timeout and device; NCCL when cuda). A world of one gets neither. msg
- * (256 bytes) says what failed. Needs DUCTILE_ETCD_ENDPOINTS and DUCTILE_JOB. */
+ * (256 bytes) says what failed. ELASTIC_ERR_COMM when the group could not
+ * form for want of a peer or of the store (comm_err_is_peer: the agent
+ * hears `peer_lost`); another code when this process failed (ARG: no
+ * DUCTILE_ETCD_ENDPOINTS or DUCTILE_JOB; NOMEM; SYS: a local socket, CUDA
+ * or NCCL error). */
 elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, int cuda,
                             rdzv_store **store, comm **c, char *msg);
 
@@ -85,5 +103,18 @@ typedef struct elastic_claim {
     int64_t step;
 } elastic_claim;
 elastic_err elastic_agree(comm *c, const elastic_claim *mine, int *root, elastic_claim *best);
+
+/* One piece of the state the agreement's winner sends to all (host memory). */
+typedef struct elastic_part {
+    void *data;
+    size_t bytes;
+} elastic_part;
+
+/* Broadcasts parts[0..n) from root. Every other rank receives them into
+ * scratch memory and copies them into its parts only after every broadcast
+ * succeeded: on any error its parts are as they were, so its claim in the
+ * next agreement still matches its state. ELASTIC_ERR_COMM when a broadcast
+ * failed (comm_last_error says why), ELASTIC_ERR_NOMEM without scratch. */
+elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n);
 
 #endif

@@ -13,6 +13,12 @@
  * GPU with NCCL between ranks: gpu_attach() moves the model there and the
  * model, optimizer and reducer calls dispatch to gpu_cuda.c; parameters are
  * copied back to the host only to checkpoint, dump or broadcast them.
+ *
+ * Under ductile-agent with a control channel (elastic.c) a failed step is
+ * discarded and the group rebuilt in place; the agent hears `peer_lost`
+ * when a peer vanished and `failed` when this process failed. Failpoint
+ * train.step (DUCTILE_FAILPOINTS, rendezvous/failpoint.h) slows or fails a
+ * step on purpose, for the tests of those paths.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -32,9 +38,11 @@
 
 #include "ckpt.h"
 #include "comm.h"
+#include "control.h" /* the agent's protocol: AGENT_CTL_ENV, the lost-peer exit status */
 #include "data.h"
 #include "ddp.h"
 #include "elastic.h"
+#include "failpoint.h"
 #include "gpu.h"
 #include "model.h"
 #include "optim.h"
@@ -360,6 +368,7 @@ typedef struct group {
     int64_t round;
     rdzv_store *store;
     comm *comm;
+    int lost; /* the group could not form because of a peer or the store, not us */
 } group;
 
 static int env_int(const char *name, long long lo, long long hi, long long dflt, long long *out)
@@ -413,6 +422,7 @@ static int group_join(group *g, const options *o)
     if (re != RDZV_OK) {
         fprintf(stderr, "ductile-train: round %lld store of job %s: %s\n", round, job,
                 rdzv_strerror(re));
+        g->lost = re != RDZV_ERR_ARG && re != RDZV_ERR_NOMEM;
         return -1;
     }
     comm_config cc = {.rank = g->rank,
@@ -428,6 +438,7 @@ static int group_join(group *g, const options *o)
         fprintf(stderr, "ductile-train: rank %d: building the %s: %s: %s\n", g->rank,
                 cuda ? "NCCL communicator" : "ring", comm_strerror(ce),
                 rdzv_store_last_error(g->store));
+        g->lost = comm_err_is_peer(ce);
         rdzv_store_close(g->store);
         g->store = NULL;
         return -1;
@@ -464,6 +475,7 @@ typedef struct trainer {
     elastic *el;         /* under ductile-agent: its control channel (elastic.c) */
     int has_state;       /* trained, synced or resumed: a claim in the agreement */
     int64_t state_round; /* the round that state was made in */
+    char why[256];       /* the last failure of a step or an agreement, for the agent */
 } trainer;
 
 static double now_s(void)
@@ -496,6 +508,18 @@ static int fail(const char *fmt, ...)
     return -1;
 }
 
+/* fail(), keeping the line in t->why: the report to the agent says the same. */
+static int trainer_fail(trainer *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int trainer_fail(trainer *t, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->why, sizeof(t->why), fmt, ap);
+    va_end(ap);
+    return fail("%s", t->why);
+}
+
 /* ---- data ---- */
 
 static const int32_t *epoch_perm(trainer *t)
@@ -514,7 +538,8 @@ static int record_samples(trainer *t, const int32_t *ids, int count)
         if (t->caprecords - t->nrecords < 96) {
             size_t cap = t->caprecords ? 2 * t->caprecords : 65536;
             char *grown = realloc(t->records, cap);
-            if (!grown) return fail("out of memory recording samples");
+            if (!grown)
+                return trainer_fail(t, "rank %d: out of memory recording samples", t->g.rank);
             t->records = grown;
             t->caprecords = cap;
         }
@@ -544,6 +569,15 @@ static void commit_records(trainer *t)
 
 /* ---- one optimizer step ---- */
 
+/* The stop vote ddp takes just before this rank's stop flag leaves: a
+ * signal, or the agent ending the round, during the step's compute stops
+ * the group at the boundary of the step in flight, not one step later. */
+static int late_vote(void *ctx)
+{
+    const trainer *t = ctx;
+    return stop_signal != 0 || (t->el && elastic_ending(t->el));
+}
+
 /* Global samples in the next `accumulate` global batches (the loss scale). */
 static int step_samples(const trainer *t)
 {
@@ -557,10 +591,34 @@ static int step_samples(const trainer *t)
     return total;
 }
 
+/* Failpoint train.step (rendezvous/failpoint.h), at the start of every
+ * optimizer step: sleep:MS makes this rank's step MS ms slower (a slow step,
+ * which a graceful rebuild must wait for), fail makes it fail here, a
+ * first-hand failure. Another action is a typo in a test: said, ignored. */
+static int step_failpoint(trainer *t)
+{
+    const char *a = failpoint("train.step");
+    if (!a) return 0;
+    if (strcmp(a, "fail") == 0)
+        return trainer_fail(t, "rank %d: step %lld: failpoint train.step", t->g.rank,
+                            (long long)t->st.step);
+    char *end = NULL;
+    long ms = strncmp(a, "sleep:", 6) == 0 ? strtol(a + 6, &end, 10) : -1;
+    if (ms < 0 || !end || end == a + 6 || *end) {
+        fprintf(stderr, "ductile-train: failpoint train.step: unknown action '%s' ignored\n", a);
+        return 0;
+    }
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+    return 0;
+}
+
 /* Forward, backward and reduction of `accumulate` micro-batches, then the
  * optimizer update. Sets *stop when any rank asked to stop after it. */
 static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
 {
+    if (step_failpoint(t) != 0) return -1;
     float scale = (float)t->g.world / (float)step_samples(t);
     for (int a = 0; a < t->o.accumulate; a++) {
         int64_t start;
@@ -593,11 +651,11 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
         }
         ddp_err de = ddp_finish(t->r, stop);
         if (de != DDP_OK)
-            return fail("rank %d: step %lld: %s: %s", t->g.rank, (long long)t->st.step,
-                        ddp_strerror(de), ddp_last_error(t->r));
-        char msg[256];
+            return trainer_fail(t, "rank %d: step %lld: %s: %s", t->g.rank, (long long)t->st.step,
+                                ddp_strerror(de), ddp_last_error(t->r));
+        char msg[200];
         if (t->m->dev && gpu_status(t->m, msg) != 0)
-            return fail("rank %d: step %lld: %s", t->g.rank, (long long)t->st.step, msg);
+            return trainer_fail(t, "rank %d: step %lld: %s", t->g.rank, (long long)t->st.step, msg);
     }
     /* The schedule follows samples, not steps, so it survives a change of
      * world size; --max-steps does not change it, so a run cut short and
@@ -631,7 +689,7 @@ static int evaluate(trainer *t, double *accuracy)
         i += count;
     }
     if (ddp_allreduce(t->r, &correct, 1) != DDP_OK)
-        return fail("rank %d: evaluation: %s", t->g.rank, ddp_last_error(t->r));
+        return trainer_fail(t, "rank %d: evaluation: %s", t->g.rank, ddp_last_error(t->r));
     *accuracy = (double)correct / n;
     t->eval_seconds += now_s() - t0;
     return 0;
@@ -663,24 +721,28 @@ static void save_checkpoint(trainer *t)
 /* Under an agent (elastic mode) every rank claims (has state, the round it
  * was made in, steps done) and the newest claim's rank sends the position,
  * parameters and optimizer state to all: survivors of a rebuild, newcomers
- * and a rank 0 that resumed from a checkpoint agree the same way. */
+ * and a rank 0 that resumed from a checkpoint agree the same way. A rank
+ * whose copy breaks half-way keeps its state and claim (elastic_share). */
 static int agree_state(trainer *t)
 {
-    char msg[256];
+    char msg[200];
     if (t->g.comm) {
         elastic_claim mine = {t->has_state, t->state_round, t->st.step}, best;
         int root = 0;
         if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0)
-            return fail("rank %d: %s", t->g.rank, msg);
+            return trainer_fail(t, "rank %d: %s", t->g.rank, msg);
         t->st.optim_t = t->opt->t;
-        size_t nopt = sizeof(float) * t->opt->n * t->opt->nstate;
-        if (elastic_agree(t->g.comm, &mine, &root, &best) != ELASTIC_OK ||
-            comm_broadcast(t->g.comm, &t->st, sizeof(t->st), root) != COMM_OK ||
-            comm_broadcast(t->g.comm, t->m->weights, sizeof(float) * t->m->nfloats, root) !=
-                COMM_OK ||
-            comm_broadcast(t->g.comm, t->opt->state, nopt, root) != COMM_OK)
-            return fail("rank %d: agreeing on the group's state: %s", t->g.rank,
-                        comm_last_error(t->g.comm));
+        elastic_part parts[3] = {
+            {&t->st, sizeof(t->st)},
+            {t->m->weights, sizeof(float) * t->m->nfloats},
+            {t->opt->state, sizeof(float) * t->opt->n * t->opt->nstate},
+        };
+        elastic_err e = elastic_agree(t->g.comm, &mine, &root, &best);
+        if (e == ELASTIC_OK) e = elastic_share(t->g.comm, root, parts, 3);
+        if (e != ELASTIC_OK)
+            return trainer_fail(t, "rank %d: agreeing on the group's state: %s", t->g.rank,
+                                e == ELASTIC_ERR_COMM ? comm_last_error(t->g.comm)
+                                                      : elastic_strerror(e));
         t->opt->t = t->st.optim_t;
         say(t, "round %lld: state of rank %d (round %lld, step %lld) to %d ranks",
             (long long)t->g.round, root, (long long)best.round, (long long)best.step, t->g.world);
@@ -692,12 +754,14 @@ static int agree_state(trainer *t)
 }
 
 /* Rank 0 resumes from the newest usable checkpoint (if any); then parameters,
- * optimizer state and position go from rank 0 to everyone. */
+ * optimizer state and position go from rank 0 to everyone (under an agent:
+ * from the rank the agreement chose). */
 static int resume_and_sync(trainer *t)
 {
-    char path[4096], msg[256];
+    char path[4096], msg[200];
     /* On a GPU the current state is on the device: the host copy is what goes out. */
-    if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0) return fail("--device cuda: %s", msg);
+    if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0)
+        return trainer_fail(t, "rank %d: --device cuda: %s", t->g.rank, msg);
     if (t->g.rank == 0 && t->o.checkpoint_dir && !t->has_state) {
         ckpt_state want = t->st, got;
         ckpt_err e = ckpt_load(t->o.checkpoint_dir, &want, &got, t->m->weights, t->m->nfloats,
@@ -716,18 +780,23 @@ static int resume_and_sync(trainer *t)
             fprintf(stderr, "ductile-train: %s; starting from scratch\n", msg);
         }
     }
-    if (t->el && agree_state(t) != 0) return -1;
-    t->st.optim_t = t->opt->t;
-    ckpt_state st = t->st;
-    if (ddp_broadcast(t->r, &st, sizeof(st)) != DDP_OK ||
-        ddp_broadcast(t->r, t->m->weights, sizeof(float) * t->m->nfloats) != DDP_OK ||
-        ddp_broadcast(t->r, t->opt->state, sizeof(float) * t->opt->n * t->opt->nstate) != DDP_OK)
-        return fail("rank %d: syncing state from rank 0: %s", t->g.rank, ddp_last_error(t->r));
-    st.round = t->st.round;
-    t->st = st;
-    t->opt->t = st.optim_t;
-    t->start_step = st.step;
-    t->start_samples = t->logged_samples = st.samples;
+    if (t->el) {
+        /* The agreement leaves every rank with the chosen rank's state. */
+        if (agree_state(t) != 0) return -1;
+    } else {
+        t->st.optim_t = t->opt->t;
+        ckpt_state st = t->st;
+        if (ddp_broadcast(t->r, &st, sizeof(st)) != DDP_OK ||
+            ddp_broadcast(t->r, t->m->weights, sizeof(float) * t->m->nfloats) != DDP_OK ||
+            ddp_broadcast(t->r, t->opt->state, sizeof(float) * t->opt->n * t->opt->nstate) !=
+                DDP_OK)
+            return fail("rank %d: syncing state from rank 0: %s", t->g.rank, ddp_last_error(t->r));
+        st.round = t->st.round;
+        t->st = st;
+        t->opt->t = st.optim_t;
+    }
+    t->start_step = t->st.step;
+    t->start_samples = t->logged_samples = t->st.samples;
     t->logged_at = now_s();
     return 0;
 }
@@ -766,6 +835,7 @@ static int trainer_setup(trainer *t)
     ddp_err e = ddp_reducer_create(t->m, t->g.comm, (size_t)(t->o.bucket_cap_mb * 1048576.0),
                                    t->o.overlap, &t->r);
     if (e != DDP_OK) return fail("reducer: %s", ddp_strerror(e));
+    ddp_set_vote(t->r, late_vote, t);
     memset(&t->st, 0, sizeof(t->st));
     t->st.round = t->g.round;
     t->st.seed = t->o.seed;
@@ -912,17 +982,39 @@ static int elastic_start(trainer *t)
     return 0;
 }
 
+/* Tells the agent why the current round failed here: `peer_lost` when a
+ * peer went away (peer), `failed` when this process failed first-hand.
+ * Nothing when the agent already told this trainer that the round ends:
+ * its abort is the cause, not the failure it caused. */
+static void report_failure(trainer *t, int peer, const char *why)
+{
+    if (elastic_ending(t->el)) return;
+    if (peer)
+        elastic_report_peer_lost(t->el, t->g.round, why);
+    else
+        elastic_report_failed(t->el, why);
+}
+
+/* 1 when the group's communicator failed because a peer went away (it
+ * closed, went silent, or the group was aborted); 0 when it still works or
+ * failed here (a step that failed before or beside it is first-hand). */
+static int peer_gone(const trainer *t)
+{
+    return comm_err_is_peer(comm_error(t->g.comm));
+}
+
 /* Drops the group, waits for the agent's next round, builds its ring and
  * takes the group's newest state; the partial step was already discarded.
- * A stop while waiting exits 0 without saving (the round is over: a
- * checkpoint now would be the old round's); an error exits 1 and the agent
- * starts a fresh process, which gets the state from the survivors. */
-static void trainer_regroup(trainer *t, const char *why)
+ * A round whose group cannot be built or cannot agree is reported to the
+ * agent at once, so that it forms a new one, which is then awaited.
+ * Returns 0 in the new round; 1 when asked to stop while waiting (the
+ * caller exits 0 without saving: the round is over, a checkpoint now would
+ * be the old round's); -1 on an error (the caller exits 1 and the agent
+ * starts a fresh process, which gets the state from the survivors). */
+static int trainer_regroup(trainer *t, const char *why)
 {
     char msg[256];
     int64_t start_step = t->start_step, start_samples = t->start_samples;
-    if (!elastic_ending(t->el) && strcmp(why, "at a step boundary") != 0)
-        elastic_report_failed(t->el, why);
     for (;;) {
         elastic_attach(t->el, NULL, t->g.round);
         ddp_reducer_free(t->r);
@@ -932,50 +1024,60 @@ static void trainer_regroup(trainer *t, const char *why)
         t->g.store = NULL;
         elastic_round rd;
         elastic_err e = elastic_wait_round(t->el, &stop_signal, ELASTIC_WAIT_MS, &rd);
-        if (e != ELASTIC_OK) {
-            if (e != ELASTIC_ERR_STOP)
-                fail("rank %d: after round %lld: %s", t->g.rank, (long long)t->g.round,
-                     elastic_strerror(e));
-            trainer_free(t);
-            exit(e == ELASTIC_ERR_STOP ? 0 : 1);
-        }
+        if (e == ELASTIC_ERR_STOP) return 1;
+        if (e != ELASTIC_OK)
+            return fail("rank %d: after round %lld: %s", t->g.rank, (long long)t->g.round,
+                        elastic_strerror(e));
         t->g.rank = rd.rank;
         t->g.world = rd.world;
         t->g.round = rd.round;
+        elastic_attach(t->el, NULL, rd.round); /* from now on, what the agent says is about rd */
         comm_config cc = {
             .host = t->o.host, .timeout_ms = t->o.comm_timeout_ms, .device = t->o.gpu};
-        if (elastic_connect(&rd, &cc, t->o.device == DEVICE_CUDA, &t->g.store, &t->g.comm, msg) !=
-            ELASTIC_OK) {
+        e = elastic_connect(&rd, &cc, t->o.device == DEVICE_CUDA, &t->g.store, &t->g.comm, msg);
+        if (e != ELASTIC_OK) {
             fail("rank %d: %s; waiting for the next round", t->g.rank, msg);
+            report_failure(t, e == ELASTIC_ERR_COMM, msg);
             continue;
         }
         elastic_attach(t->el, t->g.comm, t->g.round);
         if (ddp_reducer_create(t->m, t->g.comm, (size_t)(t->o.bucket_cap_mb * 1048576.0),
-                               t->o.overlap, &t->r) != DDP_OK) {
-            fail("rank %d: reducer: out of memory", t->g.rank);
-            trainer_free(t);
-            exit(1);
+                               t->o.overlap, &t->r) != DDP_OK)
+            return fail("rank %d: reducer: out of memory", t->g.rank);
+        ddp_set_vote(t->r, late_vote, t);
+        t->why[0] = '\0';
+        if (resume_and_sync(t) != 0) {
+            report_failure(t, peer_gone(t),
+                           t->why[0] ? t->why : "agreeing on the group's state failed");
+            continue;
         }
-        if (resume_and_sync(t) != 0) continue;
-        if (t->m->dev && gpu_upload(t->m, t->opt, msg) != 0) {
-            fail("--device cuda: %s", msg);
-            trainer_free(t);
-            exit(1);
-        }
+        if (t->m->dev && gpu_upload(t->m, t->opt, msg) != 0)
+            return fail("rank %d: --device cuda: %s", t->g.rank, msg);
         t->start_step = start_step;
         t->start_samples = start_samples;
         say(t, "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld",
             (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch);
-        return;
+        return 0;
     }
+}
+
+/* Elastic mode, after a failed step (already discarded) or evaluation: tell
+ * the agent what failed, then rebuild. Returns trainer_regroup's answer. */
+static int trainer_recover(trainer *t, const char *what)
+{
+    char why[400];
+    snprintf(why, sizeof(why), "%s: %s", what, t->why[0] ? t->why : "no detail");
+    report_failure(t, peer_gone(t), why);
+    return trainer_regroup(t, why);
 }
 
 /* Elastic mode, after a step every rank agreed to stop after: at the job's
  * end, or for a rank asked to leave (it goes without evaluating: the
  * others carry on), 0; otherwise the round ends at this step boundary (a
  * peer leaves or a node joins): checkpoint, rebuild (unless already rebuilt
- * after this step), 1. */
-static int trainer_boundary(trainer *t, int64_t *evaluated, int rebuilt)
+ * after this step), 1, with the rebuild's outcome (trainer_regroup) in
+ * *left. */
+static int trainer_boundary(trainer *t, int64_t *evaluated, int rebuilt, int *left)
 {
     if (t->st.epoch >= t->o.epochs || (t->o.max_steps && t->st.step >= t->o.max_steps)) return 0;
     if (stop_signal) {
@@ -984,7 +1086,7 @@ static int trainer_boundary(trainer *t, int64_t *evaluated, int rebuilt)
     }
     if (!rebuilt) {
         save_checkpoint(t);
-        trainer_regroup(t, "at a step boundary");
+        *left = trainer_regroup(t, "at a step boundary");
     }
     return 1;
 }
@@ -997,13 +1099,22 @@ int main(int argc, char **argv)
         if (rc > 0) usage(stdout);
         return rc > 0 ? 0 : 2;
     }
+    char msg[256];
+    if (failpoint_check_env(msg, sizeof(msg)) != 0) {
+        fprintf(stderr, "ductile-train: %s\n", msg);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     signal(SIGTERM, on_signal);
     signal(SIGINT, on_signal);
     if (pick_device(&t.o) != 0 || group_join(&t.g, &t.o) != 0 || elastic_start(&t) != 0 ||
         (openblas_set_num_threads(blas_threads(&t.o, &t.g)), 0) || trainer_setup(&t) != 0) {
+        /* Under an agent, a group that could not form because a peer went
+         * away is a lost peer, not this worker's failure: say so by the
+         * exit status (the control channel may not be open yet). */
+        int lost = t.g.lost || (t.g.comm && comm_err_is_peer(comm_error(t.g.comm)));
         trainer_free(&t);
-        return 1;
+        return lost && getenv(AGENT_CTL_ENV) ? AGENT_CTL_EXIT_PEER_LOST : 1;
     }
     char desc[256];
     model_describe(&t.o.cfg, desc, sizeof(desc));
@@ -1015,18 +1126,16 @@ int main(int argc, char **argv)
     int64_t evaluated = -1;
     const char *why = "epochs";
     int stop = t.st.epoch >= t.o.epochs, failed = 0;
-    while (!stop && !failed) {
+    int left = 0; /* a rebuild's 1 (stopped while waiting) or -1 (error): exit now */
+    while (!stop && !failed && !left) {
         int epoch_ended = 0;
         int want = stop_signal != 0 || (t.o.max_steps && t.st.step + 1 >= t.o.max_steps);
         if (t.el && elastic_ending(t.el)) want = 1; /* the round ends after this step */
         ckpt_state before = t.st;
         if (train_step(&t, want, &stop, &epoch_ended) != 0) {
             if (t.el) { /* discard the partial step, rebuild, go on */
-                char why[200];
-                snprintf(why, sizeof(why), "a step failed: %.170s",
-                         t.r ? ddp_last_error(t.r) : "no group");
                 t.st = before;
-                trainer_regroup(&t, why);
+                left = trainer_recover(&t, "a step failed");
                 continue;
             }
             failed = 1;
@@ -1038,16 +1147,17 @@ int main(int argc, char **argv)
             failed = evaluate(&t, &acc) != 0;
             evaluated = t.st.step;
             if (failed && t.el) { /* the step stands: rebuild, score it at the end */
-                trainer_regroup(&t, "evaluation failed");
+                left = trainer_recover(&t, "evaluation failed");
                 failed = 0;
                 evaluated = -1;
                 rebuilt = 1;
+                if (left) break;
             }
             say(&t, "epoch %lld test_accuracy %.4f at %.1f s", (long long)t.st.epoch, acc,
                 now_s() - t0);
         }
         if (stop) why = stop_reason(&t);
-        if (stop && t.el && trainer_boundary(&t, &evaluated, rebuilt)) {
+        if (stop && t.el && trainer_boundary(&t, &evaluated, rebuilt, &left)) {
             stop = 0;
             why = "epochs";
             continue;
@@ -1055,6 +1165,10 @@ int main(int argc, char **argv)
         stop = stop || t.st.epoch >= t.o.epochs;
         if (t.o.checkpoint_every && t.st.step % t.o.checkpoint_every == 0 && !stop && !failed)
             save_checkpoint(&t);
+    }
+    if (left) {
+        trainer_free(&t);
+        return left > 0 ? 0 : 1;
     }
     if (!failed && evaluated != t.st.step && evaluate(&t, &acc) != 0) failed = 1;
     double seconds = now_s() - t0;

@@ -118,12 +118,13 @@ class Etcd:
 
 
 class Agent:
-    def __init__(self, job, name, cmd, logdir):
+    def __init__(self, job, name, cmd, logdir, env=None):
         self.name = name
         self.logf = os.path.join(logdir, "agent-%s.log" % name)
         out = open(self.logf, "a")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env=dict(os.environ, **(env or {})))
         out.close()
         self.killed = False
 
@@ -163,8 +164,12 @@ class Job:
     """One training job: etcd, agents, the shared record file and checkpoint dir."""
 
     def __init__(self, env, name, mode, nnodes="2:4", epochs=EPOCHS, etcd=None, extra=(),
-                 ttl=3):
+                 ttl=3, max_restarts=1000, agent_env=None):
         self.ttl = ttl
+        # Membership changes never use the restart budget: scenarios without a
+        # first-hand crash run with none (--max-restarts 0).
+        self.max_restarts = max_restarts
+        self.agent_env = agent_env
         self.env = env
         self.name = name
         self.mode = mode
@@ -198,9 +203,9 @@ class Job:
             self.env.agent, "--nnodes", nnodes or self.nnodes,
             "--rdzv-endpoint", endpoint or self.etcd.endpoint, "--rdzv-id", self.job,
             "--node-id", node_id or name, "--node-addr", "127.0.0.1", "--lease-ttl", str(self.ttl),
-            "--last-call", "1", "--rebuild", self.mode, "--max-restarts", "1000",
+            "--last-call", "1", "--rebuild", self.mode, "--max-restarts", str(self.max_restarts),
             "--stop-grace", "3", "--shutdown-timeout", "20", "--"] + self.train_args(ckpt)
-        a = Agent(self.job, name, cmd, self.dir)
+        a = Agent(self.job, name, cmd, self.dir, self.agent_env)
         self.agents[name] = a
         return a
 
@@ -333,7 +338,9 @@ def sc_worker_kill(env, mode, ref):
 
 
 def sc_agent_kill(env, mode, ref):
-    job = env.job("agent-kill-" + mode, mode)
+    # A pod lost is a membership change: with no restart budget at all, the
+    # job carries on at 2 and finishes (every survivor exits 0).
+    job = env.job("agent-kill-" + mode, mode, max_restarts=0)
     try:
         start_three(job)
         log("SIGKILL agent n3 with its worker")
@@ -345,7 +352,7 @@ def sc_agent_kill(env, mode, ref):
 
 
 def sc_scale_down(env, mode, ref):
-    job = env.job("scale-down-" + mode, mode)
+    job = env.job("scale-down-" + mode, mode, max_restarts=0)
     try:
         start_three(job)
         log("SIGTERM agent n3")
@@ -359,10 +366,16 @@ def sc_scale_down(env, mode, ref):
 
 
 def sc_scale_up(env, mode, ref):
-    job = env.job("scale-up-" + mode, mode)
+    # Steps 12 and 13 of every trainer take over 5 s (a slow GPU step): the
+    # fourth agent joins during them, and the step in flight must finish, not
+    # be lost, whatever the time it takes.
+    job = env.job("scale-up-" + mode, mode, max_restarts=0,
+                  agent_env={"DUCTILE_WORKER_FAILPOINTS": "train.step=12-13:sleep:5000"})
     try:
-        start_three(job)
-        log("a fourth agent joins")
+        for _ in range(3):
+            job.start()
+        job.wait_step(10)
+        log("a fourth agent joins during a 5 s step")
         job.start()
         job.wait_round(job.agents["n1"], 4)
         verify(job, ref, no_step_lost=True)

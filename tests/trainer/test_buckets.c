@@ -101,6 +101,12 @@ static void backward_once(model *m, ddp_reducer *r)
     model_backward(m, 4, 0.25f, ddp_mark_ready, r);
 }
 
+static int vote_yes(void *ctx)
+{
+    ++*(int *)ctx;
+    return 1;
+}
+
 static void test_reducer_layout(void)
 {
     model *m = make_model();
@@ -152,6 +158,22 @@ static void test_reducer_layout(void)
     CHECK(ddp_finish(r, &stop) == DDP_OK && stop == 0, "sync finish, stop %d", stop);
     CHECK(test_close(m->params[0].grad[5], 2 * first, 1e-7, 1e-5), "accumulated %g vs 2*%g",
           m->params[0].grad[5], first);
+
+    /* A late vote, asked once per synchronised micro-step when the flag's
+     * bucket is complete, adds a stop vote to ddp_begin's. */
+    int asked = 0;
+    ddp_set_vote(r, vote_yes, &asked);
+    ddp_begin(r, 0, 0);
+    backward_once(m, r);
+    CHECK(ddp_finish(r, &stop) == DDP_OK && stop == 0 && asked == 0, "no_sync: asked %d", asked);
+    ddp_begin(r, 1, 0);
+    backward_once(m, r);
+    CHECK(ddp_finish(r, &stop) == DDP_OK && stop == 1 && asked == 1, "late vote: stop %d, asked %d",
+          stop, asked);
+    ddp_set_vote(r, NULL, NULL);
+    ddp_begin(r, 1, 0);
+    backward_once(m, r);
+    CHECK(ddp_finish(r, &stop) == DDP_OK && stop == 0, "no late vote: stop %d", stop);
 
     /* A parameter without a gradient is reported. */
     ddp_zero_grad(r);

@@ -42,6 +42,25 @@ expect 1 "RANK" env WORLD_SIZE=2 RANK=2 "$TRAIN" --data "$FASHION_MNIST"
 expect 1 "WORLD_SIZE" env WORLD_SIZE=0 "$TRAIN" --data "$FASHION_MNIST"
 expect 1 "DUCTILE_ETCD_ENDPOINTS" env WORLD_SIZE=2 RANK=0 "$TRAIN" --data "$FASHION_MNIST"
 
+# Failpoints: a malformed spec is refused at start; train.step=N:fail fails
+# step N here (first-hand), sleep:MS only slows it, another action is named
+# and ignored.
+expect 2 "DUCTILE_FAILPOINTS" env DUCTILE_FAILPOINTS="train.step" "$TRAIN"
+expect 2 "DUCTILE_FAILPOINTS" env DUCTILE_FAILPOINTS="train.step=0:fail" "$TRAIN"
+small="--data $FASHION_MNIST --limit-train 256 --limit-test 64 --batch-size 32 --threads 1"
+# shellcheck disable=SC2086
+expect 1 "failpoint train.step" env DUCTILE_FAILPOINTS="train.step=3:fail" "$TRAIN" $small
+# shellcheck disable=SC2086
+expect 0 "unknown action 'explode'" env DUCTILE_FAILPOINTS="train.step=1:explode" "$TRAIN" \
+    $small --max-steps 2
+# shellcheck disable=SC2086
+if ! env DUCTILE_FAILPOINTS="train.step=1-2:sleep:20" "$TRAIN" $small --max-steps 3 \
+    >"$tmp/out" 2>"$tmp/err" || [ -s "$tmp/err" ]; then
+    echo "FAIL: train.step=1-2:sleep:20 did not train quietly:"
+    sed 's/^/    /' "$tmp/err" | head -20
+    fail=1
+fi
+
 # Data: missing directory, then a copy of the real set with one file broken.
 expect 1 "train-images" "$TRAIN" --data "$tmp/none"
 mkdir "$tmp/d"
