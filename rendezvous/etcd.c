@@ -1442,7 +1442,10 @@ static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
                 if (w->stream) stream_done(w, cc);
             }
         }
-        if (w->state == W_DEAD || w->nqueue || w->pending != ETCD_OK) continue;
+        /* anything that ends the wait is seen at the top, not after a poll */
+        if (w->state == W_DEAD || w->nqueue || w->pending != ETCD_OK ||
+            (want_created && w->created_once))
+            continue;
         int64_t now = now_ms();
         if (now >= until) return ETCD_OK;
         int64_t wait = until - now;

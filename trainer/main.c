@@ -598,19 +598,11 @@ static int step_samples(const trainer *t)
 static int step_failpoint(trainer *t)
 {
     const char *a = failpoint("train.step");
-    if (!a) return 0;
+    if (!a || failpoint_sleep(a)) return 0;
     if (strcmp(a, "fail") == 0)
         return trainer_fail(t, "rank %d: step %lld: failpoint train.step", t->g.rank,
                             (long long)t->st.step);
-    char *end = NULL;
-    long ms = strncmp(a, "sleep:", 6) == 0 ? strtol(a + 6, &end, 10) : -1;
-    if (ms < 0 || !end || end == a + 6 || *end) {
-        fprintf(stderr, "ductile-train: failpoint train.step: unknown action '%s' ignored\n", a);
-        return 0;
-    }
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
+    fprintf(stderr, "ductile-train: failpoint train.step: unknown action '%s' ignored\n", a);
     return 0;
 }
 

@@ -4,7 +4,9 @@ training step at the new size, for 4 agents on 127.0.0.1.
 
 Events: a worker SIGKILLed (size stays 4), an agent SIGKILLed with its worker
 (4 -> 3), an agent SIGTERMed (scale-down, 4 -> 3), a new agent (3 -> 4).
-Runs: ductile in place and by restart (--last-call 1 --lease-ttl 3), and
+Runs: ductile in place and by restart (--last-call 1 --lease-ttl 3), each
+also with no restart budget (inplace0, restart0: --max-restarts 0, where a
+pod lost must stay a membership change, not a failure), and
 torchrun (c10d rendezvous) with its defaults and with its fastest settings
 (last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3),
 running the same MLP on the same data with PyTorch DDP (gloo). Every output
@@ -107,8 +109,9 @@ class Etcd:
 
 
 class Ductile:
-    def __init__(self, a, mode, d, trial):
+    def __init__(self, a, mode, d, trial, max_restarts=100):
         self.a, self.mode, self.d = a, mode, d
+        self.max_restarts = max_restarts
         self.etcd = Etcd(d)
         self.job = "rec-%s-%d" % (mode, trial)
 
@@ -116,7 +119,7 @@ class Ductile:
         cmd = [self.a.agent, "--nnodes", "2:5", "--rdzv-endpoint", self.etcd.url,
                "--rdzv-id", self.job, "--node-id", name, "--node-addr", "127.0.0.1",
                "--lease-ttl", "3", "--last-call", "1", "--rebuild", self.mode,
-               "--max-restarts", "100", "--stop-grace", "3", "--", self.a.train,
+               "--max-restarts", str(self.max_restarts), "--stop-grace", "3", "--", self.a.train,
                "--data", self.a.data, "--limit-train", "6000", "--epochs", "1000",
                "--batch-size", "64", "--threads", "1", "--log-every", "1",
                "--checkpoint-dir", os.path.join(self.d, "ck"), "--checkpoint-every", "10"]
@@ -202,6 +205,8 @@ def trial(a, kind, event, n):
     lines = Lines()
     sys_ = {"inplace": lambda: Ductile(a, "inplace", d, n),
             "restart": lambda: Ductile(a, "restart", d, n),
+            "inplace0": lambda: Ductile(a, "inplace", d, n, 0),
+            "restart0": lambda: Ductile(a, "restart", d, n, 0),
             "torch": lambda: Torchrun(a, False, d, n),
             "torch-fast": lambda: Torchrun(a, True, d, n)}[kind]()
     procs = []
@@ -245,9 +250,11 @@ def main():
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--events", default="worker_kill,agent_kill,scale_down,scale_up")
+    p.add_argument("--kinds", default="inplace,restart,inplace0,restart0,torch,torch-fast",
+                   help="which runs (inplace0/restart0: ductile with --max-restarts 0)")
     a = p.parse_args()
     a.here = os.path.dirname(os.path.abspath(__file__))
-    kinds = ["inplace", "restart", "torch", "torch-fast"]
+    kinds = a.kinds.split(",")
     events = a.events.split(",")
     res = {}
     n = 0
@@ -271,18 +278,24 @@ def main():
         if not x:
             return "       -"
         return "%7.1fx" % (y / x) if y else "  >%4.0fx" % (120 / x)
+    ours = [k for k in kinds if not k.startswith("torch")]
+    base = "torch-fast" if "torch-fast" in kinds else ("torch" if "torch" in kinds else None)
     print()
     print("time from the event to the first step at the new size, seconds (median of %d), "
           "4 agents, 1 worker each, MLP, %d cores" % (a.repeats, os.cpu_count()))
-    print("%-11s %7s %7s %7s %7s  %8s %8s %8s" % ("event", "inplace", "restart", "torch",
-                                                 "t-fast", "tf/inpl", "tf/rest",
-                                                 "tdef/inpl"))
+    head = "%-11s" % "event" + "".join(" %10s" % k for k in kinds)
+    if base:
+        head += "".join(" %10s" % ("%s/%s" % ("tf" if base == "torch-fast" else "t", k))[:10]
+                        for k in ours)
+    print(head)
     for ev in events:
-        v = [res[(ev, k)] for k in kinds]
-        print("%-11s %s %s %s %s %s %s %s" % (ev, f(v[0]), f(v[1]), f(v[2]), f(v[3]),
-                                            r(v[0], v[3]), r(v[1], v[3]), r(v[0], v[2])))
-    print("torch: torchrun c10d defaults; t-fast: last_call_timeout=1, keep_alive_interval=1, "
-          "keep_alive_max_attempt=3, --monitor-interval 0.1; ratios: torch time / ours")
+        row = "%-11s" % ev + "".join(" %10s" % f(res[(ev, k)]) for k in kinds)
+        if base:
+            row += "".join(" %10s" % r(res[(ev, k)], res[(ev, base)]) for k in ours)
+        print(row)
+    print("torch: torchrun c10d defaults; torch-fast (tf): last_call_timeout=1, "
+          "keep_alive_interval=1, keep_alive_max_attempt=3, --monitor-interval 0.1; "
+          "ratios: torch time / ours; >120: no step at the new size within 120 s")
     return 0
 
 
