@@ -26,6 +26,9 @@ enum {
     AGENT_EXIT_DROPPED = 4,    /* this node was dropped through no fault of its own (its
                                   lease ended and it could not register again): not a
                                   failure of the pod */
+    AGENT_EXIT_LEFT = 5,       /* left a still-running job on SIGTERM, when
+                                  --leave-exit-code 5 asks (the chart's Job kind): the pod
+                                  is replaced, its index not complete */
 };
 
 /* ---- logging: one line per event, text or JSON, to stderr ---- */

@@ -108,6 +108,7 @@ typedef struct agent_opts {
     int standalone;
     int http_port;
     int json_log;
+    int leave_exit_code;
     const char *role;
     const char *cacert, *cert, *key, *user, *password;
     char **cmd;
@@ -132,6 +133,7 @@ typedef enum {
     OPT_STANDALONE,
     OPT_HTTP_PORT,
     OPT_LOG_FORMAT,
+    OPT_LEAVE_EXIT_CODE,
     OPT_ROLE,
     OPT_CACERT,
     OPT_CERT,
@@ -184,6 +186,10 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                        "serve /healthz, /readyz and /metrics on this port"},
     [OPT_LOG_FORMAT] = {"log-format", "DUCTILE_LOG_FORMAT", "text|json", "text",
                         "one log line per event, as text or JSON"},
+    [OPT_LEAVE_EXIT_CODE] = {"leave-exit-code", "DUCTILE_LEAVE_EXIT_CODE", "CODE", "0",
+                             "exit status after leaving a job that is still running on "
+                             "SIGTERM/SIGINT (5 under a Kubernetes Job: the pod is replaced, "
+                             "not complete)"},
     [OPT_ROLE] = {"role", "DUCTILE_ROLE", "NAME", "default", "ROLE_NAME given to workers"},
     [OPT_CACERT] = {"etcd-cacert", "DUCTILE_ETCD_CACERT", "FILE", NULL,
                     "CA certificate to verify etcd (PEM)"},
@@ -371,6 +377,10 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         if (parse_int(v, 0, 65535, &o->http_port) == 0) return 0;
         snprintf(why, len, "'%s' is not a port in 0..65535", v);
         return -1;
+    case OPT_LEAVE_EXIT_CODE:
+        if (parse_int(v, 0, 255, &o->leave_exit_code) == 0) return 0;
+        snprintf(why, len, "'%s' is not an exit status in 0..255", v);
+        return -1;
     case OPT_LOG_FORMAT:
         if (strcmp(v, "text") == 0) return o->json_log = 0, 0;
         if (strcmp(v, "json") == 0) return o->json_log = 1, 0;
@@ -544,6 +554,7 @@ typedef struct agent {
     int have_pending;
     agent_state state;
     int exit_after_stop; /* -1: go on to the next round, else the exit code */
+    int job_done;        /* the job completed (JOB_DONE seen, or marked by this agent) */
     double kill_at;      /* SIGKILL workers still alive at this time (0: none) */
     double give_up_at;   /* stop waiting for workers at this time (0: none) */
     int failure_reported;
@@ -598,7 +609,12 @@ static void on_workers_gone(agent *a)
     a->kill_at = a->give_up_at = 0;
     switch (a->state) {
     case AGENT_SHUTDOWN:
-        agent_finish(a, 0, "stopped by signal; left the job");
+        /* The job goes on without this node: under a Kubernetes Job its pod
+         * must not count as a completed index (--leave-exit-code). */
+        if (a->job_done)
+            agent_finish(a, AGENT_EXIT_OK, "stopped by signal; the job is complete");
+        else
+            agent_finish(a, a->o->leave_exit_code, "stopped by signal; left the job");
         return;
     case AGENT_DRAINING:
         agent_finish(a, 0, "job complete");
@@ -1130,6 +1146,7 @@ static void on_event(agent *a, rdzv_event *ev)
         agent_log(&a->lg, "spare", "the round is full: waiting as a hot spare");
         break;
     case RDZV_EV_JOB_DONE:
+        a->job_done = 1;
         agent_log(&a->lg, "job_done", "the job is complete");
         a->in_round = 0;
         if (workers_alive(a) && a->state != AGENT_SHUTDOWN && a->state != AGENT_STOPPING) {

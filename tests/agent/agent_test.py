@@ -184,6 +184,7 @@ def case_bad_flags(job):
         ["--join-timeout", "-3"], ["--shutdown-timeout", "nan"], ["--rebuild", "sometimes"],
         ["--log-format", "xml"], ["--http-port", "70000"], ["--rdzv-id", "Bad_Id"],
         ["--node-id", "a b"], ["--standalone=maybe"], ["--no-such-flag", "1"], ["--nnodes"],
+        ["--leave-exit-code", "256"], ["--leave-exit-code", "-1"],
     ]
     base = ["--rdzv-endpoint", ETCD, "--rdzv-id", "j"]
     for flags in bad:
@@ -208,6 +209,7 @@ def case_bad_flags(job):
     for flag in ["nnodes", "nproc-per-node", "rdzv-endpoint", "rdzv-id", "max-restarts",
                  "node-id", "node-addr", "lease-ttl", "last-call", "join-timeout",
                  "shutdown-timeout", "rebuild", "standalone", "http-port", "log-format",
+                 "leave-exit-code",
                  "etcd-cacert", "etcd-cert", "etcd-key", "etcd-user", "etcd-password"]:
         check("--" + flag in r.stdout, "--help lacks --" + flag)
         check("DUCTILE_" + flag.upper().replace("-", "_") in r.stdout, "--help lacks env of " + flag)
@@ -348,6 +350,19 @@ def case_sigterm(job):
     check(time.monotonic() - t0 < ttl, "new round before the lease TTL")
     check("node-c left" in a.log(), "cause: node-c left")
     check(rnd2 > rnd, "round number grew")
+    # Under a Kubernetes Job a pod that leaves a running job must not count as
+    # a completed index: --leave-exit-code gives it another status.
+    d = job.start("node-d", ["--leave-exit-code", "5"])
+    rnd3 = job.wait_round(3, ttl - 5, newer_than=rnd2)
+    d.signal(signal.SIGTERM)
+    check(d.wait_exit(15) == 5, "left a running job: exit 5")
+    job.wait_round(2, ttl - 5, newer_than=rnd3)
+    # At the job's end every agent exits 0, whatever the flag.
+    e = job.start("node-e", ["--leave-exit-code", "5"])
+    wait_for(lambda: job.running_round(3), 30, "node-e in a round")
+    job.command("all", "exit 0")
+    for ag in (a, b, e):
+        check(ag.wait_exit(30) == 0, "agent %s exits 0 at the job's end" % ag.node)
 
 
 def crash_until(job, a, b, how, world, rnd):

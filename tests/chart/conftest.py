@@ -6,6 +6,8 @@ check that `helm install` runs, offline. A render returns the manifests as
 parsed objects, so tests assert on structure, never on text.
 """
 
+import copy
+import json
 import os
 import pathlib
 
@@ -60,7 +62,14 @@ class Rendered:
         return found[0]
 
     def workers(self):
-        return self.one("StatefulSet", "-worker")
+        """The workers' workload: the Indexed Job or the StatefulSet."""
+        found = [o for o in self.of_kind("Job") + self.of_kind("StatefulSet")
+                 if o["metadata"]["name"].endswith("-worker")]
+        assert len(found) == 1, f"expected one worker Job or StatefulSet, got {found}"
+        return found[0]
+
+    def pod_spec(self):
+        return self.workers()["spec"]["template"]["spec"]
 
     def agent(self):
         containers = self.workers()["spec"]["template"]["spec"]["containers"]
@@ -80,15 +89,42 @@ def chart():
 
 @pytest.fixture(scope="session")
 def render(chart):
-    """render(values, name=RELEASE) -> Rendered; values are a dict or a file."""
+    """render(values, name=RELEASE, kube_version=None) -> Rendered; values
+    are a dict or a file. kube_version ("v1.30.0") is the cluster version
+    the templates see (.Capabilities.KubeVersion); None: the SDK's own."""
 
-    def _render(values=None, name=RELEASE, namespace=NAMESPACE):
+    def _render(values=None, name=RELEASE, namespace=NAMESPACE, kube_version=None):
         if isinstance(values, (str, os.PathLike)):
             values = load_values(values)
-        manifests = chart.render(values, name=name, namespace=namespace, is_install=True)
+        if kube_version is None:
+            manifests = chart.render(values, name=name, namespace=namespace, is_install=True)
+        else:
+            manifests = render_for_kube(chart, values, name, namespace, kube_version)
         return Rendered(dict(manifests))
 
     return _render
+
+
+def render_for_kube(chart, values, name, namespace, kube_version):
+    """Chart.render with a cluster version. helm-python-sdk 0.2.2 (pinned)
+    takes kube_version in the options of its native render call but does
+    not expose it in Chart.render; this passes it the same way."""
+    from helm_python import _native
+    opts = {"name": name, "namespace": namespace, "is_install": True,
+            "kube_version": kube_version}
+    payload = None if values is None else json.dumps(values)
+    return json.loads(_native.call_string("helm_render", chart._raw(), payload, json.dumps(opts)))
+
+
+def with_values(base, patch):
+    """base (a dict or a file) with patch merged in, as `-f base --set ...` would."""
+    out = copy.deepcopy(load_values(base) if isinstance(base, (str, os.PathLike)) else base or {})
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = with_values(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
 
 
 def strip_source(obj):

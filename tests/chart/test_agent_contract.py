@@ -1,28 +1,53 @@
 """The chart and the agent agree: the real ductile-agent runs with the chart's env.
 
-The worker container's environment is taken from a rendered StatefulSet,
-with only what the kubelet would fill in (the downward API fields) and the
-etcd address replaced by a real etcd on 127.0.0.1 (this test runs under
-with-etcd). The agent must accept every DUCTILE_* value the chart sets and
-run a one-node job to completion; then the `helm test` pod's script, taken
-from the rendered test pod, must pass for that job and fail for a job etcd
-has never seen, and when etcd cannot be reached.
+The worker container's environment is taken from the rendered workload,
+with only what the kubelet and the Job controller would fill in (the
+downward API fields, JOB_COMPLETION_INDEX) and the etcd address replaced by
+a real etcd on 127.0.0.1 (this test runs under with-etcd).
+
+- One node: the agent accepts every DUCTILE_* value the chart sets and runs
+  a one-node job to completion; the `helm test` pod's script, taken from
+  the rendered test pod, passes for that job and fails for a job etcd has
+  never seen, and when etcd cannot be reached.
+- The Indexed Job: the test plays the Job controller's part (jobsim.py)
+  with the rendered Job and real agents, their workers the agents' test
+  worker (tests/agent/test_worker.c). Pods for indices 0..3; one is killed
+  and recreated with the same index; the Job is scaled to 2 (indices 2 and
+  3 get SIGTERM); the training ends. Every agent's exit code, judged by
+  the rendered podFailurePolicy, must be what the chart expects, and the
+  Job must end Complete. A pod deleted while training does not complete its
+  index (its agent exits 5): it is replaced, uncounted, and the job ends
+  Complete. Exits 2 and 3 must end the Job Failed at once. And
+  why node ids are pod names: an index-only id is refused while a killed
+  pod's lease lasts.
 """
 
 import os
+import random
+import signal
 import socket
+import string
 import subprocess
+import time
 
 import pytest
 
+from jobsim import IndexedJob, exit_code_of, pod_failure_action
+
 AGENT = os.environ.get("DUCTILE_AGENT_BIN")
+WORKER = os.environ.get("DUCTILE_TEST_WORKER")
 ETCD = os.environ.get("DUCTILE_TEST_ETCD")
 
 # Run by hand without them, the tests skip; under ctest (DUCTILE_CTEST set)
 # a missing one is a failure, never a silent skip.
 pytestmark = pytest.mark.skipif(
-    not (AGENT and ETCD) and not os.environ.get("DUCTILE_CTEST"),
-    reason="needs DUCTILE_AGENT_BIN and a with-etcd etcd (ctest sets both)")
+    not (AGENT and ETCD and WORKER) and not os.environ.get("DUCTILE_CTEST"),
+    reason="needs DUCTILE_AGENT_BIN, DUCTILE_TEST_WORKER and a with-etcd etcd (ctest sets them)")
+
+INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+# Correctness bounds, not speed: each is far above what the step takes.
+DEADLINE = 90
 
 
 def free_port():
@@ -31,14 +56,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def pod_env(container, overrides):
+def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None):
     """The container's env as the kubelet would set it, plus overrides."""
     env = {"PATH": os.path.dirname(AGENT) + os.pathsep + os.environ["PATH"]}
     for k in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"):
         if k in os.environ:
             env[k] = os.environ[k]
-    fields = {"metadata.name": "demo-ductile-worker-0", "metadata.namespace": "ml",
+    fields = {"metadata.name": pod_name, "metadata.namespace": "ml",
               "status.podIP": "127.0.0.1"}
+    if index is not None:
+        fields[INDEX_ANNOTATION] = str(index)
     for e in container.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
@@ -46,12 +73,36 @@ def pod_env(container, overrides):
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             pytest.fail(f"env {e['name']} comes from {e['valueFrom']}: not set up here")
+    if index is not None:
+        # What the Job controller adds to every container of an Indexed Job.
+        env["JOB_COMPLETION_INDEX"] = str(index)
     env.update(overrides)
     return env
 
 
 def run(args, env, timeout=60):
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(pred, what, tick=None, deadline=DEADLINE):
+    """pred()'s first answer that is neither None nor False."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if tick:
+            tick()
+        got = pred()
+        if got is not None and got is not False:
+            return got
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def live_nodes(job_id):
+    """The node ids registered (alive) in job_id, from `ductile-agent status`."""
+    proc = run([AGENT, "status", "--rdzv-endpoint", ETCD, "--rdzv-id", job_id],
+               dict(os.environ))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("live nodes")), None)
+    return set(line.split(":", 1)[1].split()) if line else set()
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +151,278 @@ def test_helm_test_pod_fails_without_etcd(job):
     env["DUCTILE_RDZV_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
     proc = run(cmd, env)
     assert proc.returncode != 0
+
+
+# ---- the Indexed Job, with the Job controller played by jobsim ----
+
+
+class Pod:
+    """One pod of the Job: the rendered container's command and env, run
+    as a process. Its name is the Job's, the index and a random suffix, as
+    the Job controller names pods; it is the agent's node id."""
+
+    def __init__(self, rendered, index, workdir):
+        job_name = rendered.workers()["metadata"]["name"]
+        suffix = "".join(random.choice(string.ascii_lowercase + string.digits) for _ in range(5))
+        self.name = f"{job_name}-{index}-{suffix}"
+        self.index = index
+        self.conditions = ()
+        container = rendered.agent()
+        env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD,
+                                  "DUCTILE_HTTP_PORT": str(free_port()),
+                                  "AGENT_TEST_DIR": workdir},
+                      pod_name=self.name, index=index)
+        self.log_path = os.path.join(workdir, f"{self.name}.log")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(container["command"] + container["args"], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def poll(self):
+        return self.proc.poll()
+
+    def delete(self):
+        """A graceful delete: SIGTERM (the kubelet's SIGKILL after the
+        grace period is never needed here)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        """The pod dies at once: an OOM kill, a crash."""
+        self.proc.kill()
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def workers(workdir):
+    """Every test worker that has started, as a dict of its environment."""
+    out = []
+    for name in os.listdir(workdir):
+        if name.startswith("w.") and name.endswith(".env"):
+            with open(os.path.join(workdir, name)) as f:
+                out.append(dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line))
+    return out
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def running_round(workdir, pods, newer_than=0):
+    """The newest round, after newer_than, in which exactly the live
+    workers of `pods` run, one per pod, with world size len(pods); or None."""
+    want = {p.proc.pid: p for p in pods}
+    live = [w for w in workers(workdir) if alive(int(w["TEST_PID"]))]
+    for rnd in sorted({int(w["DUCTILE_ROUND"]) for w in live}, reverse=True):
+        ws = [w for w in live if int(w["DUCTILE_ROUND"]) == rnd]
+        if rnd > newer_than and sorted(int(w["TEST_PPID"]) for w in ws) == sorted(want) and \
+                all(int(w["WORLD_SIZE"]) == len(pods) for w in ws):
+            assert sorted(int(w["RANK"]) for w in ws) == list(range(len(pods)))
+            return rnd
+    return None
+
+
+def job_values(name, replicas=4, **job):
+    """A CPU job of the agents' test worker, with short timings (the
+    agent's own flags) and no restart to spare: a pod loss must never be
+    counted as a failure, or every agent exits 3."""
+    values = {"job": {"name": name, "command": [WORKER], "minNodes": 2, "maxNodes": 4,
+                      "lastCall": 1, "leaseTTL": 2, "maxRestarts": 0, "shutdownTimeout": 15,
+                      "stopGrace": 2, "joinTimeout": 120},
+              "workers": {"replicas": replicas}}
+    values["job"].update(job)
+    return values
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return str(tmp_path)
+
+
+@pytest.fixture
+def cleanup():
+    pods = []
+    yield pods
+    for p in pods:
+        if p.poll() is None:
+            p.kill()
+            p.proc.wait()
+
+
+def start_job(render, values, workdir, cleanup):
+    r = render(values)
+    job = r.workers()
+    assert job["kind"] == "Job"
+
+    def start_pod(index):
+        pod = Pod(r, index, workdir)
+        cleanup.append(pod)
+        return pod
+
+    return r, IndexedJob(job, start_pod)
+
+
+def test_indexed_job_kill_scale_and_complete(render, workdir, cleanup):
+    """Indices 0..3 train; index 1 is killed and recreated; scaled to 2;
+    the training ends and the Job is Complete."""
+    assert AGENT and ETCD and WORKER, "DUCTILE_AGENT_BIN, DUCTILE_TEST_WORKER or etcd not set"
+    r, ctl = start_job(render, job_values("contract-job"), workdir, cleanup)
+    assert ctl.completions == 4 and sorted(ctl.active) == [0, 1, 2, 3]
+    for ix, pod in ctl.active.items():
+        assert pod.name.startswith(f"demo-ductile-worker-{ix}-")
+
+    pods = lambda: [ctl.active[i] for i in sorted(ctl.active)]  # noqa: E731
+    r1 = wait_until(lambda: running_round(workdir, pods()), "a round of indices 0..3",
+                    tick=ctl.sync)
+    # The node ids are the pods' names, each with its index.
+    assert live_nodes("contract-job") == {p.name for p in pods()}
+
+    # Index 1 dies at once (an OOM kill). A pod loss is a membership change
+    # for the others; the Job controller counts the failure and recreates
+    # the index with a new pod, which joins under its own name while the
+    # dead pod's lease may still run.
+    killed = ctl.active[1]
+    killed.kill()
+    wait_until(lambda: 1 in ctl.active and ctl.active[1] is not killed,
+               "index 1 recreated", tick=ctl.sync)
+    replacement = ctl.active[1]
+    assert replacement.name != killed.name and replacement.index == 1
+    r2 = wait_until(lambda: running_round(workdir, pods(), newer_than=r1),
+                    "a round of indices 0..3 with the new pod of index 1", tick=ctl.sync)
+    (dead,) = [f for f in ctl.finished if f.pod is killed]
+    assert dead.exit_code == 137 and dead.action == "Count"
+    assert ctl.failed == 1 and ctl.condition is None
+    assert replacement.name in live_nodes("contract-job")
+
+    # Scale to 2: the pods of indices 2 and 3 get SIGTERM and leave cleanly.
+    leaving = [ctl.active[2], ctl.active[3]]
+    ctl.scale(2)
+    wait_until(lambda: running_round(workdir, pods(), newer_than=r2), "a round of indices 0, 1",
+               tick=ctl.sync)
+    wait_until(lambda: all(p.poll() is not None for p in leaving), "indices 2, 3 to exit",
+               tick=ctl.sync)
+    for p in leaving:
+        # they left a running job: 5 (the Job controller ignores how pods
+        # of removed indices end)
+        assert p.poll() == 5, p.log()
+        (f,) = [f for f in ctl.finished if f.pod is p]
+        assert f.action == "Removed"
+
+    # The training ends: every worker exits 0, the agents mark the job done
+    # in etcd and exit 0, and both indices are complete.
+    with open(os.path.join(workdir, "cmd.all"), "w") as f:
+        f.write("exit 0\n")
+    wait_until(ctl.done, "the Job to finish", tick=ctl.sync)
+    assert ctl.condition == "Complete", [(f.index, f.exit_code, f.action) for f in ctl.finished]
+    last = [ctl.created[0][-1], ctl.created[1][-1]]
+    for p in last:
+        assert p.poll() == 0, p.log()
+        assert "job complete" in p.log()
+    # Every pod ended as the podFailurePolicy expects: one counted failure
+    # (the kill), nothing that fails the Job, nothing left running.
+    actions = sorted(f.action for f in ctl.finished)
+    assert actions == ["Count", "Removed", "Removed", "Succeeded", "Succeeded"], actions
+    assert ctl.failed <= ctl.backoff_limit
+    assert all(p.poll() is not None for p in cleanup)
+
+
+def test_a_deleted_pod_is_replaced(render, workdir, cleanup):
+    """A pod deleted while the job trains (kubectl delete pod, an eviction,
+    a preemption) gets SIGTERM; its agent leaves cleanly and exits 5
+    (DUCTILE_LEAVE_EXIT_CODE, which the chart sets), so the Job does not
+    count its index as complete: the podFailurePolicy ignores the exit and
+    a new pod takes the index, joins, and the job ends Complete with every
+    index's last pod exiting 0."""
+    r, ctl = start_job(render, job_values("contract-delete", replicas=3), workdir, cleanup)
+    pods = lambda: [ctl.active[i] for i in sorted(ctl.active)]  # noqa: E731
+    r1 = wait_until(lambda: running_round(workdir, pods()), "a round of indices 0..2",
+                    tick=ctl.sync)
+    deleted = ctl.active[2]
+    deleted.delete()
+    wait_until(lambda: deleted.poll() is not None, "the deleted pod to exit", tick=ctl.sync)
+    ctl.sync()
+    assert exit_code_of(deleted.poll()) == 5, deleted.log()
+    (f,) = [f for f in ctl.finished if f.pod is deleted]
+    assert f.action == "Ignore" and 2 not in ctl.succeeded
+    wait_until(lambda: 2 in ctl.active and ctl.active[2] is not deleted, "a new pod for index 2",
+               tick=ctl.sync)
+    wait_until(lambda: running_round(workdir, pods(), newer_than=r1),
+               "a round of indices 0..2 with the new pod", tick=ctl.sync)
+    with open(os.path.join(workdir, "cmd.all"), "w") as f:
+        f.write("exit 0\n")
+    wait_until(ctl.done, "the Job to finish", tick=ctl.sync)
+    assert ctl.condition == "Complete"
+    assert [len(ctl.created[i]) for i in range(3)] == [1, 1, 2]  # index 2 replaced once
+    assert ctl.failed == 0
+
+
+def test_restart_budget_spent_fails_the_job(render, workdir, cleanup):
+    """A worker crash with job.maxRestarts 0: every agent exits 3, which
+    the podFailurePolicy turns into a failed Job at once, uncounted."""
+    r, ctl = start_job(render, job_values("contract-fail", replicas=2),
+                       workdir, cleanup)
+    wait_until(lambda: running_round(workdir, [ctl.active[0], ctl.active[1]]),
+               "a round of indices 0, 1", tick=ctl.sync)
+    with open(os.path.join(workdir, "cmd.all"), "w") as f:
+        f.write("exit 1\n")
+    wait_until(ctl.done, "the Job to finish", tick=ctl.sync)
+    assert ctl.condition == "Failed" and ctl.reason == "PodFailurePolicy"
+    assert ctl.failed == 0
+    first = ctl.finished[0]
+    assert first.exit_code == 3 and first.action == "FailJob", ctl.finished[0].pod.log()
+    # No pod was recreated.
+    assert all(len(pods) == 1 for pods in ctl.created.values())
+
+
+def test_other_node_limits_fail_the_job(render, workdir, cleanup):
+    """A pod whose node limits differ from the job's in etcd (a job
+    installed again with other minNodes/maxNodes) exits 2: FailJob."""
+    r, ctl = start_job(render, job_values("contract-limits", replicas=2),
+                       workdir, cleanup)
+    wait_until(lambda: running_round(workdir, [ctl.active[0], ctl.active[1]]),
+               "a round of indices 0, 1", tick=ctl.sync)
+    other = render(job_values("contract-limits", replicas=2, maxNodes=3))
+    late = Pod(other, 1, workdir)
+    cleanup.append(late)
+    wait_until(lambda: late.poll(), "the pod with other limits to exit")
+    code = exit_code_of(late.poll())
+    assert code == 2, late.log()
+    assert pod_failure_action(other.workers(), code) == "FailJob"
+
+
+def test_index_only_node_ids_would_collide(render, workdir, cleanup):
+    """Why the node id is the pod's name, not its index: an agent killed
+    without SIGTERM keeps its registration until its lease ends, and a
+    replacement under the same id is refused (exit 1, a counted failure)."""
+    r = render(job_values("contract-dup", leaseTTL=60))
+    container = r.agent()
+    node = "demo-ductile-worker-1"
+
+    def env():
+        return pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD,
+                                   "DUCTILE_HTTP_PORT": str(free_port()),
+                                   "AGENT_TEST_DIR": workdir, "DUCTILE_NODE_ID": node},
+                       index=1)
+
+    first = subprocess.Popen(container["command"] + container["args"], env=env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Registered; it waits for a second node (minNodes 2).
+        wait_until(lambda: node in live_nodes("contract-dup") or first.poll(),
+                   "the first agent to register")
+        assert first.poll() is None
+        first.kill()
+        first.wait()
+        second = run(container["command"] + container["args"], env(), timeout=DEADLINE)
+        assert second.returncode == 1, second.stderr
+        assert "already registered" in second.stderr
+        assert pod_failure_action(r.workers(), second.returncode) == "Count"
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from conftest import CHART_DIR, SOURCE, NAMESPACE, RELEASE
+from conftest import CHART_DIR, SOURCE, NAMESPACE, RELEASE, load_values
 
 CI = CHART_DIR / "ci"
 JOBS = SOURCE / "examples" / "jobs"
@@ -83,7 +83,12 @@ def test_agent_runs_the_job_command(render):
 
 @pytest.mark.parametrize("lo,hi,n", [(1, 4, 2), (3, 3, 3), (2, 16, 16)])
 def test_scale_range(render, lo, hi, n):
-    r = render({"job": {"minNodes": lo, "maxNodes": hi}, "workers": {"replicas": n}})
+    values = {"job": {"minNodes": lo, "maxNodes": hi}, "workers": {"replicas": n}}
+    r = render(values)
+    assert r.env()["DUCTILE_NNODES"] == f"{lo}:{hi}"
+    assert r.workers()["spec"]["parallelism"] == r.workers()["spec"]["completions"] == n
+    values["workers"]["kind"] = "statefulset"
+    r = render(values)
     assert r.env()["DUCTILE_NNODES"] == f"{lo}:{hi}"
     assert r.workers()["spec"]["replicas"] == n
     assert r.workers()["spec"]["podManagementPolicy"] == "Parallel"
@@ -405,20 +410,36 @@ def test_notes_tell_watch_scale_remove(render):
     r = render(JOBS / "fashion-mnist-gpu.yaml", name="fmnist")
     notes = r.notes
     assert f"kubectl -n {NAMESPACE} get pods -l app.kubernetes.io/instance=fmnist" in notes
+    assert f"kubectl -n {NAMESPACE} get job/fmnist-ductile-worker -w" in notes
     assert "--set workers.replicas=N" in notes
-    assert f"kubectl -n {NAMESPACE} scale statefulset/fmnist-ductile-worker --replicas=N" in notes
+    assert (f"kubectl -n {NAMESPACE} patch job/fmnist-ductile-worker --type=merge "
+            """-p '{"spec":{"parallelism":N,"completions":N}}'""") in notes
+    assert (f"kubectl -n {NAMESPACE} wait --for=condition=complete job/fmnist-ductile-worker"
+            in notes)
+    assert f"kubectl -n {NAMESPACE} exec job/fmnist-ductile-worker -- ductile-agent status" in notes
+    assert "statefulset" not in notes
     assert f"helm -n {NAMESPACE} uninstall fmnist" in notes
     assert f"helm -n {NAMESPACE} test fmnist" in notes
-    assert "ductile-agent status" in notes
     assert "between 2 and 8" in notes
+
+
+def test_notes_of_the_statefulset_kind(render):
+    values = load_values(JOBS / "fashion-mnist-gpu.yaml")
+    values["workers"]["kind"] = "statefulset"
+    notes = render(values, name="fmnist").notes
+    assert f"kubectl -n {NAMESPACE} scale statefulset/fmnist-ductile-worker --replicas=N" in notes
+    assert f"kubectl -n {NAMESPACE} exec fmnist-ductile-worker-0 -- ductile-agent status" in notes
+    assert "patch job" not in notes and "condition=complete" not in notes
+    assert f"helm -n {NAMESPACE} uninstall fmnist" in notes
 
 
 def test_long_release_name_keeps_pod_names_valid(render):
     name = "a" * 53  # Helm's longest release name
     r = render({"job": {"name": "long"}}, name=name)
-    sts = r.workers()["metadata"]["name"]
-    # <statefulset>-<ordinal> must stay a DNS label, with room for 4 digits.
-    assert len(sts) + 5 <= 63
+    workers = r.workers()["metadata"]["name"]
+    # A pod's host name, <job>-<index> (or <statefulset>-<ordinal>), must
+    # stay a DNS label, with room for 4 digits.
+    assert len(workers) + 5 <= 63
 
 
 def test_chart_metadata(chart):

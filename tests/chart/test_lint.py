@@ -2,7 +2,8 @@
 
 Lint runs Helm's own chart checks (Chart.yaml, templates, values against
 the schema) in strict mode, where warnings are errors too; it targets the
-oldest Kubernetes the chart supports.
+oldest Kubernetes each kind of worker workload supports: 1.31 for the
+Indexed Job (workers.kind: job), 1.30 for the StatefulSet.
 """
 
 import pytest
@@ -11,18 +12,23 @@ import helm_python as helm
 from conftest import CHART_DIR, CI_VALUES, EXAMPLE_JOBS, load_values
 
 FILES = [None] + CI_VALUES + EXAMPLE_JOBS
-IDS = ["defaults"] + [f"ci/{p.name}" for p in CI_VALUES] + [f"jobs/{p.name}" for p in EXAMPLE_JOBS]
+OLDEST = {"job": "v1.31.0", "statefulset": "v1.30.0"}
+# Each file with both kinds, or with the kind it sets.
+CASES = [(path, kind) for path in FILES for kind in OLDEST
+         if ((load_values(path) if path else {}).get("workers") or {}).get("kind", kind) == kind]
+CASE_IDS = [f"{'defaults' if p is None else p.parent.name + '/' + p.name}:{k}" for p, k in CASES]
 
 
 def findings(report, at_least):
     return [m for m in report["messages"] if m["severity"] >= at_least]
 
 
-@pytest.mark.parametrize("path", FILES, ids=IDS)
-def test_helm_lint_strict(path):
-    values = load_values(path) if path else None
+@pytest.mark.parametrize("path,kind", CASES, ids=CASE_IDS)
+def test_helm_lint_strict(path, kind):
+    values = load_values(path) if path else {}
+    values.setdefault("workers", {})["kind"] = kind
     report = helm.lint(str(CHART_DIR), values, strict=True, namespace="ml",
-                       kube_version="v1.30.0")
+                       kube_version=OLDEST[kind])
     assert report["total_charts_linted"] == 1
     assert not report["errors"], report["errors"]
     assert not findings(report, 2), findings(report, 2)  # warnings and errors

@@ -1,22 +1,50 @@
 """Every job file and CI value file renders, and every object is valid Kubernetes.
 
-Each rendered object is checked offline and strictly (unknown fields are
-errors) against the Kubernetes OpenAPI schemas that kubernetes-validate
-ships, for the oldest Kubernetes the chart supports and the newest the
-package knows. The ServiceMonitor is a CRD, for which kubernetes-validate
-has no schema: it gets a structural check against the fields of the
-Prometheus Operator's monitoring.coreos.com/v1 that the chart uses.
+Each file is rendered with both kinds of worker workload (workers.kind: an
+Indexed Job and a StatefulSet), unless it sets its own. Each rendered
+object is checked offline and strictly (unknown fields are errors) against
+the Kubernetes OpenAPI schemas that kubernetes-validate ships: for 1.31,
+where Elastic Indexed Jobs and podFailurePolicy became stable (the oldest
+the Job kind supports), for the newest the package knows, and, for the
+StatefulSet kind, for 1.30 too. The ServiceMonitor is a CRD, for which
+kubernetes-validate has no schema: it gets a structural check against the
+fields of the Prometheus Operator's monitoring.coreos.com/v1 that the chart
+uses.
 """
 
 import jsonschema
 import kubernetes_validate
 import pytest
 
-from conftest import CI_VALUES, EXAMPLE_JOBS, RELEASE, NAMESPACE, strip_source
+from conftest import CI_VALUES, EXAMPLE_JOBS, RELEASE, NAMESPACE, load_values, strip_source, \
+    with_values
 
-KUBE_VERSIONS = ["1.30", kubernetes_validate.utils.latest_version()]
+LATEST = kubernetes_validate.utils.latest_version()
+KUBE_VERSIONS = {"job": ["1.31", LATEST], "statefulset": ["1.30", "1.31", LATEST]}
 VALUE_FILES = [None] + CI_VALUES + EXAMPLE_JOBS
-IDS = ["defaults"] + [f"ci/{p.name}" for p in CI_VALUES] + [f"jobs/{p.name}" for p in EXAMPLE_JOBS]
+FILE_IDS = ["defaults"] + [f"ci/{p.name}" for p in CI_VALUES] + \
+    [f"jobs/{p.name}" for p in EXAMPLE_JOBS]
+
+
+def _cases():
+    """(file, kind): each file with both kinds, or with the kind it sets."""
+    out = []
+    for path, fid in zip(VALUE_FILES, FILE_IDS):
+        own = (load_values(path).get("workers") or {}).get("kind") if path else None
+        for kind in [own] if own else ["job", "statefulset"]:
+            out.append(((path, kind), f"{fid}:{kind}"))
+    return out
+
+
+CASES = _cases()
+_RENDERED = {}
+
+
+def render_case(render, case):
+    if case not in _RENDERED:
+        path, kind = case
+        _RENDERED[case] = render(with_values(path, {"workers": {"kind": kind}}))
+    return _RENDERED[case]
 
 STANDARD_LABELS = ["helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by",
@@ -60,18 +88,25 @@ SERVICE_MONITOR = {
 }
 
 
-@pytest.fixture(scope="module", params=VALUE_FILES, ids=IDS)
+@pytest.fixture(scope="module", params=[c for c, _ in CASES], ids=[i for _, i in CASES])
 def rendered(request, render):
-    return render(request.param)
+    return render_case(render, request.param)
 
 
 def test_renders_workers_and_notes(rendered):
-    assert rendered.workers()["kind"] == "StatefulSet"
+    kind = rendered.workers()["kind"]
+    assert kind in ("Job", "StatefulSet")
+    assert len([o for o in rendered.of_kind("Job") + rendered.of_kind("StatefulSet")
+                if o["metadata"]["name"].endswith("-worker")]) == 1
     assert "helm" in rendered.notes and "uninstall" in rendered.notes
+    if kind == "Job":
+        assert "wait --for=condition=complete" in rendered.notes
 
 
-@pytest.mark.parametrize("kube", KUBE_VERSIONS)
-def test_objects_valid_kubernetes_strict(rendered, kube):
+@pytest.mark.parametrize("case,kube", [(c, k) for c, _ in CASES for k in KUBE_VERSIONS[c[1]]],
+                         ids=[f"{i}@{k}" for c, i in CASES for k in KUBE_VERSIONS[c[1]]])
+def test_objects_valid_kubernetes_strict(render, case, kube):
+    rendered = render_case(render, case)
     checked = 0
     for obj in rendered.all():
         obj = strip_source(obj)
@@ -88,10 +123,14 @@ def test_objects_valid_kubernetes_strict(rendered, kube):
 
 
 def test_strict_validation_catches_an_unknown_field(render):
-    sts = strip_source(render().workers())
+    sts = strip_source(render({"workers": {"kind": "statefulset"}}).workers())
     sts["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
-        kubernetes_validate.validate(sts, KUBE_VERSIONS[0], strict=True)
+        kubernetes_validate.validate(sts, KUBE_VERSIONS["statefulset"][0], strict=True)
+    job = strip_source(render().workers())
+    job["spec"]["podFailurePolicy"]["rules"][0]["onExitCode"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError, match="onExitCode"):
+        kubernetes_validate.validate(job, KUBE_VERSIONS["job"][0], strict=True)
 
 
 def test_service_monitor_structure(rendered):
@@ -138,6 +177,17 @@ def test_names_unique_and_valid(rendered):
 
 
 def test_selectors_match_their_pods(rendered):
+    for job in rendered.of_kind("Job"):
+        # The API server adds the selector; the pods' subdomain is the
+        # workers' headless Service, which selects them.
+        assert "selector" not in job["spec"]
+        pod = job["spec"]["template"]
+        svc = rendered.one("Service", pod["spec"]["subdomain"])
+        assert svc["metadata"]["name"] == pod["spec"]["subdomain"]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+        for k, v in svc["spec"]["selector"].items():
+            assert pod["metadata"]["labels"].get(k) == v
     for sts in rendered.of_kind("StatefulSet"):
         pod_labels = sts["spec"]["template"]["metadata"]["labels"]
         for k, v in sts["spec"]["selector"]["matchLabels"].items():
@@ -150,11 +200,17 @@ def test_selectors_match_their_pods(rendered):
     for pdb in rendered.of_kind("PodDisruptionBudget"):
         sel = pdb["spec"]["selector"]["matchLabels"]
         assert any(all(s["spec"]["template"]["metadata"]["labels"].get(k) == v
-                       for k, v in sel.items()) for s in rendered.of_kind("StatefulSet"))
+                       for k, v in sel.items())
+                   for s in rendered.of_kind("StatefulSet") + rendered.of_kind("Job"))
+        if pdb["metadata"]["name"].endswith("-worker") and rendered.workers()["kind"] == "Job":
+            # The only budget Kubernetes honours for a Job's pods.
+            assert set(pdb["spec"]) == {"minAvailable", "selector"}
+            assert isinstance(pdb["spec"]["minAvailable"], int)
 
 
 def test_pod_volumes_and_mounts_agree(rendered):
-    pods = [s["spec"]["template"]["spec"] for s in rendered.of_kind("StatefulSet")]
+    pods = [s["spec"]["template"]["spec"]
+            for s in rendered.of_kind("StatefulSet") + rendered.of_kind("Job")]
     pods += [p["spec"] for p in rendered.of_kind("Pod")]
     claim_templates = {s["metadata"]["name"]: {t["metadata"]["name"]
                                                for t in s["spec"].get("volumeClaimTemplates", [])}

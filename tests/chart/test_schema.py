@@ -80,6 +80,19 @@ SCHEMA_RULES = [
      ["/checkpoint/accessModes/0"]),
     ("pdb-bad-percent", {"podDisruptionBudget": {"minAvailable": "half"}},
      ["/podDisruptionBudget/minAvailable"]),
+    ("workers-kind-unknown", {"workers": {"kind": "deployment"}}, ["/workers/kind"]),
+    ("typo-in-workers-job", {"workers": {"job": {"backoffLimits": 3}}},
+     ["/workers/job", "'backoffLimits'"]),
+    ("backoff-limit-negative", {"workers": {"job": {"backoffLimit": -1}}},
+     ["/workers/job/backoffLimit"]),
+    ("backoff-limit-per-index-negative", {"workers": {"job": {"backoffLimitPerIndex": -1}}},
+     ["/workers/job/backoffLimitPerIndex"]),
+    ("backoff-limit-above-int32", {"workers": {"job": {"backoffLimit": 2 ** 31}}},
+     ["/workers/job/backoffLimit"]),
+    ("ttl-negative", {"workers": {"job": {"ttlSecondsAfterFinished": -5}}},
+     ["/workers/job/ttlSecondsAfterFinished"]),
+    ("ttl-not-integer", {"workers": {"job": {"ttlSecondsAfterFinished": "1h"}}},
+     ["/workers/job/ttlSecondsAfterFinished"]),
 ]
 
 # Cross-field rules of templates/_validate.tpl.
@@ -115,6 +128,19 @@ TEMPLATE_RULES = [
      ["minAvailable or maxUnavailable, not both"]),
     ("script-not-in-command", {"job": {"script": {"content": "print(1)"}}},
      ["job.script is set but job.command never names /opt/ductile/job/train.py"]),
+    # workers.kind: job (the default) and what a Job cannot do.
+    ("job-with-per-pod-checkpoints", {"checkpoint": {"perPod": True}},
+     ["checkpoint.perPod needs workers.kind=statefulset"]),
+    ("job-pdb-max-unavailable", {"podDisruptionBudget": {"maxUnavailable": 1}},
+     ["podDisruptionBudget.maxUnavailable needs workers.kind=statefulset"]),
+    ("job-pdb-percent", {"podDisruptionBudget": {"minAvailable": "50%"}},
+     ['podDisruptionBudget.minAvailable "50%"', "integer minAvailable"]),
+    ("statefulset-with-per-index-limit",
+     {"workers": {"kind": "statefulset", "job": {"backoffLimitPerIndex": 1}}},
+     ["workers.job.backoffLimitPerIndex is set but workers.kind is statefulset"]),
+    ("statefulset-with-ttl",
+     {"workers": {"kind": "statefulset", "job": {"ttlSecondsAfterFinished": 60}}},
+     ["workers.job.ttlSecondsAfterFinished is set but workers.kind is statefulset"]),
 ]
 
 
@@ -180,6 +206,19 @@ def test_scale_range_boundaries_accepted(chart, boundary):
     lo, hi, n = boundary
     chart.render(merged(GOOD, {"job": {"minNodes": lo, "maxNodes": hi},
                                "workers": {"replicas": n}}), name="demo")
+
+
+@pytest.mark.parametrize("values", [
+    {"workers": {"kind": "statefulset"}, "checkpoint": {"perPod": True}},
+    {"workers": {"kind": "statefulset"}, "podDisruptionBudget": {"maxUnavailable": 1}},
+    {"workers": {"kind": "statefulset"}, "podDisruptionBudget": {"minAvailable": "50%"}},
+    {"checkpoint": {"enabled": False, "perPod": True}},
+    {"podDisruptionBudget": {"enabled": False, "maxUnavailable": 1}},
+], ids=["sts-per-pod", "sts-max-unavailable", "sts-percent", "job-per-pod-unused",
+        "job-pdb-off"])
+def test_what_only_a_statefulset_can_do_is_fine_there(chart, values):
+    # The rules refused for a Job stay allowed where they work.
+    chart.render(merged(GOOD, values), name="demo")
 
 
 def test_zero_replicas_accepted_when_min_allows_it_not_otherwise(chart):

@@ -42,6 +42,13 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* workers.kind. A release installed before workers.kind existed and
+upgraded with --reuse-values keeps its old chart's values, which lack it:
+such a release has a StatefulSet, and keeps it. */}}
+{{- define "ductile.workersKind" -}}
+{{- .Values.workers.kind | default "statefulset" }}
+{{- end }}
+
 {{- define "ductile.workerName" -}}
 {{- printf "%s-worker" (include "ductile.fullname" .) }}
 {{- end }}

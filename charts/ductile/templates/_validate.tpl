@@ -57,7 +57,51 @@ includes this, so every install, upgrade and template run checks it.
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) }}
 {{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both" }}
 {{- end }}
+{{- $kind := include "ductile.workersKind" . }}
+{{- if not (kindIs "map" $w.job) }}
+{{- if eq $kind "job" }}
+{{- fail "workers.kind is job but workers.job is missing: this release's values predate workers.kind (helm upgrade --reuse-values keeps them); upgrade with --reset-then-reuse-values, or give the job file again" }}
+{{- end }}
+{{- else if eq $kind "job" }}
+{{- include "ductile.validateJob" . }}
+{{- else }}
+{{- range $k := list "backoffLimitPerIndex" "ttlSecondsAfterFinished" }}
+{{- if not (kindIs "invalid" (index $w.job $k)) }}
+{{- fail (printf "workers.job.%s is set but workers.kind is %s: it applies to workers.kind=job only" $k $kind) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and $job.script.content (not (has (printf "%s/%s" $job.script.mountPath $job.script.fileName) $job.command)) }}
 {{- fail (printf "job.script is set but job.command never names %s/%s: run the script from the command" $job.script.mountPath $job.script.fileName) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Rules of workers.kind=job: what Kubernetes would refuse, or accept and then
+run wrong.
+*/}}
+{{- define "ductile.validateJob" -}}
+{{- $name := include "ductile.workerName" . }}
+{{- if semverCompare "<1.31.0-0" .Capabilities.KubeVersion.Version }}
+{{- fail (printf "workers.kind=job needs Kubernetes 1.31 or newer (Elastic Indexed Jobs and podFailurePolicy are stable there), and this cluster is %s: set workers.kind=statefulset" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- if and .Values.checkpoint.enabled .Values.checkpoint.perPod }}
+{{- fail "checkpoint.perPod needs workers.kind=statefulset: a Job cannot give each pod a volume of its own that outlives it; keep the shared checkpoint volume (the default) or set workers.kind=statefulset" }}
+{{- end }}
+{{- $pdb := .Values.podDisruptionBudget }}
+{{- if and $pdb.enabled (not (kindIs "invalid" $pdb.maxUnavailable)) }}
+{{- fail "podDisruptionBudget.maxUnavailable needs workers.kind=statefulset: for a Job's pods Kubernetes honours only an integer minAvailable (a Job has no scale subresource); set podDisruptionBudget.minAvailable instead" }}
+{{- end }}
+{{- if and $pdb.enabled (kindIs "string" $pdb.minAvailable) }}
+{{- fail (printf "podDisruptionBudget.minAvailable %q: for a Job's pods Kubernetes honours only an integer minAvailable (a Job has no scale subresource); give a number of pods" $pdb.minAvailable) }}
+{{- end }}
+{{- /* An upgrade may change the Job's size and counters, never its pods:
+Kubernetes would refuse the patch after the release's other objects (the
+script's ConfigMap among them) were already changed. lookup finds nothing
+offline (helm template, lint), so this runs only against a cluster. */}}
+{{- $live := lookup "batch/v1" "Job" .Release.Namespace $name }}
+{{- $was := dig "metadata" "annotations" "checksum/immutable-spec" "" $live }}
+{{- if and $was (ne $was (include "ductile.jobImmutableChecksum" .)) }}
+{{- fail (printf "workers.kind=job: Job %s exists, and Kubernetes lets an upgrade change only its size (workers.replicas), workers.job.backoffLimit and workers.job.ttlSecondsAfterFinished; these values change its pods or failure policy. Keep the rest as it is (helm upgrade --reuse-values --set workers.replicas=N), or uninstall the release and install it again (charts/ductile/README.md: Change a running job)" $name) }}
 {{- end }}
 {{- end }}
