@@ -285,7 +285,7 @@ def main():
           "4 agents, 1 worker each, MLP, %d cores" % (a.repeats, os.cpu_count()))
     head = "%-11s" % "event" + "".join(" %10s" % k for k in kinds)
     if base:
-        head += "".join(" %10s" % ("%s/%s" % ("tf" if base == "torch-fast" else "t", k))[:10]
+        head += "".join(" %10s" % ("%s/%s" % ("tf" if base == "torch-fast" else "t", k.replace("inplace", "inpl").replace("restart", "rest")))
                         for k in ours)
     print(head)
     for ev in events:
