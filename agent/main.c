@@ -624,6 +624,10 @@ static void on_workers_gone(agent *a)
             agent_finish(a, a->exit_after_stop, a->why);
             return;
         }
+        if (a->job_done) { /* the job completed while these workers stopped */
+            agent_finish(a, AGENT_EXIT_OK, "job complete");
+            return;
+        }
         a->state = AGENT_RDZV;
         if (a->have_pending) {
             rdzv_round r = a->pending;

@@ -1432,6 +1432,9 @@ static report_write plan_report(const rdzv *r, int64_t mine, int first_hand, con
          * this first-hand report came: the count goes on the current round. */
         rec->restarts++;
         rec->counted = mine;
+        /* The lost peer that ended it was this crash, now counted: it is
+         * no grounds to count the next lost peer of these members too. */
+        rec->peer_lost_of = 0;
         return WRITE_SAME_ROUND;
     }
     next->number = rec->number + 1;
