@@ -924,9 +924,7 @@ static void start_round(agent *a, rdzv_round *r)
               (long long)rd->number, rd->nmembers, rd->world_size, rd->my_rank,
               (long long)rd->restarts, rd->max_restarts, a->why[0] ? a->why : "first round");
     a->why[0] = 0;
-    const rdzv_member *m0 = NULL;
-    for (int i = 0; i < rd->nmembers; i++)
-        if (rd->members[i].rank == 0) m0 = &rd->members[i];
+    const rdzv_member *m0 = &rd->members[0]; /* members are sorted by rank */
     int mport = 0;
     if (rd->my_rank == 0) {
         if (master_publish(a, rd, &mport) != 0) {
@@ -957,10 +955,7 @@ static void on_master_wait(agent *a)
     line[strcspn(line, "\n")] = 0;
     int port = 0;
     if (strncmp(line, "ok ", 3) == 0 && parse_int(line + 3, 1, 65535, &port) == 0) {
-        const rdzv_member *m0 = NULL;
-        for (int i = 0; i < a->round.nmembers; i++)
-            if (a->round.members[i].rank == 0) m0 = &a->round.members[i];
-        launch_round(a, m0->addr, port);
+        launch_round(a, a->round.members[0].addr, port); /* members are sorted by rank */
         return;
     }
     const char *why = strchr(line, ' ');
