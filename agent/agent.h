@@ -9,8 +9,8 @@
 #ifndef DUCTILE_AGENT_H
 #define DUCTILE_AGENT_H
 
-#include "control.h"
-#include "rdzv.h"
+#include "ductile/control.h"
+#include "ductile/rdzv.h"
 
 #include <stdint.h>
 #include <sys/types.h>
@@ -47,7 +47,7 @@ double agent_now(void); /* monotonic seconds */
 
 /* Accumulates bytes into lines; a line longer than the buffer is cut. */
 typedef struct agent_linebuf {
-    char buf[AGENT_CTL_MAX_LINE + 1];
+    char buf[CTL_MAX_LINE + 1];
     size_t len;
 } agent_linebuf;
 
@@ -113,11 +113,11 @@ void agent_worker_describe(const agent_worker *w, char *out, size_t len);
 /* ---- control channel (control.c) ---- */
 
 /* Sends one message to a worker; -1 when its channel is gone. */
-int agent_ctl_send(agent_worker *w, const agent_ctl_msg *m);
+int agent_ctl_send(agent_worker *w, const ctl_msg *m);
 /* Reads what is readable on w->ctl_fd; each whole message goes to on_msg.
  * Closes the fd at EOF. Malformed lines are logged and dropped. */
 void agent_ctl_read(agent_worker *w, const agent_logger *lg,
-                    void (*on_msg)(void *ctx, agent_worker *w, const agent_ctl_msg *m), void *ctx);
+                    void (*on_msg)(void *ctx, agent_worker *w, const ctl_msg *m), void *ctx);
 
 /* ---- HTTP endpoint (http.c) ---- */
 

@@ -12,10 +12,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-int agent_ctl_send(agent_worker *w, const agent_ctl_msg *m)
+int agent_ctl_send(agent_worker *w, const ctl_msg *m)
 {
-    char line[AGENT_CTL_MAX_LINE + 2];
-    int n = agent_ctl_format(m, line, sizeof(line));
+    char line[CTL_MAX_LINE + 2];
+    int n = ctl_format(m, line, sizeof(line));
     if (n < 0 || w->ctl_fd < 0) return -1;
     ssize_t sent;
     do {
@@ -25,7 +25,7 @@ int agent_ctl_send(agent_worker *w, const agent_ctl_msg *m)
 }
 
 void agent_ctl_read(agent_worker *w, const agent_logger *lg,
-                    void (*on_msg)(void *ctx, agent_worker *w, const agent_ctl_msg *m), void *ctx)
+                    void (*on_msg)(void *ctx, agent_worker *w, const ctl_msg *m), void *ctx)
 {
     char chunk[2048];
     for (int rounds = 0; rounds < 16 && w->ctl_fd >= 0; rounds++) {
@@ -41,14 +41,14 @@ void agent_ctl_read(agent_worker *w, const agent_logger *lg,
         for (ssize_t i = 0; i < got; i++) {
             agent_linebuf *lb = &w->ctl;
             if (chunk[i] != '\n') {
-                if (lb->len < AGENT_CTL_MAX_LINE) lb->buf[lb->len] = chunk[i];
+                if (lb->len < CTL_MAX_LINE) lb->buf[lb->len] = chunk[i];
                 lb->len++; /* counts past the limit so an overlong line is refused */
                 continue;
             }
-            agent_ctl_msg m;
-            if (lb->len <= AGENT_CTL_MAX_LINE) {
+            ctl_msg m;
+            if (lb->len <= CTL_MAX_LINE) {
                 lb->buf[lb->len] = 0;
-                if (agent_ctl_parse(lb->buf, &m) == 0) {
+                if (ctl_parse(lb->buf, &m) == 0) {
                     on_msg(ctx, w, &m);
                 } else {
                     agent_log(lg, "control_invalid", "worker rank %d sent an invalid control line",

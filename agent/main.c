@@ -14,7 +14,7 @@
  *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
  */
 #include "agent.h"
-#include "failpoint.h"
+#include "ductile/failpoint.h"
 
 #include <arpa/inet.h>
 #include <curl/curl.h>
@@ -697,19 +697,19 @@ static void worker_failed(agent *a, const char *reason, int first_hand)
     if (!workers_alive(a) && !a->done) on_workers_gone(a);
 }
 
-static void on_ctl(void *ctx, agent_worker *w, const agent_ctl_msg *m)
+static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
 {
     agent *a = ctx;
     switch (m->type) {
-    case AGENT_CTL_READY:
+    case CTL_READY:
         w->ready = 1;
         break;
-    case AGENT_CTL_STEP:
+    case CTL_STEP:
         w->step = m->step;
         break;
-    case AGENT_CTL_FAILED:
-    case AGENT_CTL_PEER_LOST: {
-        int first_hand = m->type == AGENT_CTL_FAILED;
+    case CTL_FAILED:
+    case CTL_PEER_LOST: {
+        int first_hand = m->type == CTL_FAILED;
         char reason[600];
         snprintf(reason, sizeof(reason), "worker rank %d %s: %s", w->rank,
                  first_hand ? "reported" : "lost a peer", m->reason);
@@ -874,7 +874,7 @@ static void send_round(agent *a, const char *maddr, int mport, const char *prefi
         w->rank = me->first_global_rank + w->local_rank;
         w->failed_reported = 0;
         w->ready = 0;
-        agent_ctl_msg m = {.type = AGENT_CTL_ROUND,
+        ctl_msg m = {.type = CTL_ROUND,
                            .round = r->number,
                            .rank = w->rank,
                            .world_size = r->world_size,
@@ -1061,7 +1061,7 @@ static void leave_round(agent *a, int64_t round_number, int graceful)
     master_wait_cancel(a);
     if (a->state != AGENT_RUNNING) return;
     if (a->o->inplace) {
-        agent_ctl_msg m = {.type = AGENT_CTL_ABORT, .round = round_number, .graceful = graceful};
+        ctl_msg m = {.type = CTL_ABORT, .round = round_number, .graceful = graceful};
         for (int i = 0; i < a->ws.n; i++)
             if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
         a->state = AGENT_RDZV;
@@ -1199,7 +1199,7 @@ static void begin_shutdown(agent *a, const char *sig)
     master_wait_cancel(a);
     if (a->have_pending) rdzv_round_free(&a->pending);
     a->have_pending = 0;
-    agent_ctl_msg m = {.type = AGENT_CTL_STOP};
+    ctl_msg m = {.type = CTL_STOP};
     for (int i = 0; i < a->ws.n; i++)
         if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
     stop_workers(a, budget - reserve);
@@ -1230,10 +1230,10 @@ static void on_reaped(agent *a, pid_t pid, int status)
             snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
             /* First-hand unless the agent itself signalled it, or the
              * worker's status says it lost a peer. */
-            int lost = WIFEXITED(status) && WEXITSTATUS(status) == AGENT_CTL_EXIT_PEER_LOST;
+            int lost = WIFEXITED(status) && WEXITSTATUS(status) == CTL_EXIT_PEER_LOST;
             if (lost)
                 snprintf(reason, sizeof(reason), "worker rank %d lost a peer (exit status %d)",
-                         w->rank, AGENT_CTL_EXIT_PEER_LOST);
+                         w->rank, CTL_EXIT_PEER_LOST);
             worker_failed(a, reason, !w->signalled && !lost);
             return;
         }

@@ -287,7 +287,7 @@ agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status)
 
 static void emit_line(int out, int rank, const char *line, size_t len)
 {
-    char buf[AGENT_CTL_MAX_LINE + 64];
+    char buf[CTL_MAX_LINE + 64];
     int n = snprintf(buf, sizeof(buf), "[%d] %.*s\n", rank, (int)len, line);
     if (n <= 0) return;
     if ((size_t)n >= sizeof(buf)) n = sizeof(buf) - 1;
@@ -326,7 +326,7 @@ void agent_workers_read_output(agent_workers *ws, agent_worker *w, int fd)
                 emit_line(dest, w->rank, lb->buf, lb->len);
                 lb->len = 0;
             } else {
-                if (lb->len == AGENT_CTL_MAX_LINE) linebuf_flush(lb, dest, w->rank);
+                if (lb->len == CTL_MAX_LINE) linebuf_flush(lb, dest, w->rank);
                 lb->buf[lb->len++] = c;
             }
         }

@@ -23,9 +23,9 @@
  *
  * Parsing of answers lives in etcd_json.c, where the fuzz target reaches it.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "etcd_internal.h"
-#include "failpoint.h"
+#include "ductile/failpoint.h"
 
 #include <cjson/cJSON.h>
 #include <curl/curl.h>

@@ -8,7 +8,7 @@
 #ifndef DUCTILE_ETCD_INTERNAL_H
 #define DUCTILE_ETCD_INTERNAL_H
 
-#include "etcd.h"
+#include "ductile/etcd.h"
 
 #include <stddef.h>
 #include <stdint.h>

@@ -4,7 +4,7 @@
  * entry counts the calls of its name under one mutex. Knowingly simple: a
  * linear scan of a handful of entries, and only while the variable is set.
  */
-#include "failpoint.h"
+#include "ductile/failpoint.h"
 
 #include <pthread.h>
 #include <stdint.h>

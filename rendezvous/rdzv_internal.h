@@ -17,8 +17,8 @@
 #ifndef DUCTILE_RDZV_INTERNAL_H
 #define DUCTILE_RDZV_INTERNAL_H
 
-#include "etcd.h"
-#include "rdzv.h"
+#include "ductile/etcd.h"
+#include "ductile/rdzv.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -58,7 +58,6 @@ typedef struct rdzv_record {
 int rdzv_key(char *buf, size_t len, const char *job, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
-int rdzv_node_id_valid(const char *node);
 
 /* JSON <-> record. parse returns RDZV_ERR_PROTOCOL on anything malformed. */
 char *rdzv_record_json(const rdzv_record *rec);

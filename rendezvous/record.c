@@ -45,7 +45,7 @@ int rdzv_node_id_valid(const char *node)
 {
     if (!node) return 0;
     size_t n = strlen(node);
-    if (n < 1 || n > 128) return 0;
+    if (n < 1 || n > RDZV_NODE_ID_MAX) return 0;
     for (size_t i = 0; i < n; i++) {
         char c = node[i];
         int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -401,6 +401,20 @@ void rdzv_round_free(rdzv_round *r)
     }
     free(r->members);
     memset(r, 0, sizeof(*r));
+}
+
+const rdzv_member *rdzv_round_self(const rdzv_round *r)
+{
+    for (int i = 0; r && i < r->nmembers; i++)
+        if (r->members[i].rank == r->my_rank) return &r->members[i];
+    return NULL;
+}
+
+int rdzv_store_prefix(const char *job, int64_t round, char *out, size_t len)
+{
+    if (!rdzv_job_id_valid(job) || rdzv_key(out, len, job, "rounds/%lld/store/", (long long)round))
+        return -1;
+    return (int)strlen(out);
 }
 
 rdzv_err rdzv_record_to_round(const rdzv_record *rec, const char *me, rdzv_round *out)

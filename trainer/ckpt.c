@@ -6,7 +6,7 @@
  * A failed write (ENOSPC, EIO) removes the temporary file and touches
  * nothing else, so the previous checkpoints survive a full disk.
  */
-#include "ckpt.h"
+#include "ductile/ckpt.h"
 
 #include <dirent.h>
 #include <errno.h>

@@ -10,7 +10,7 @@
 
 #include <stdatomic.h>
 
-#include "comm.h"
+#include "ductile/comm.h"
 
 typedef struct comm_ops {
     const char *name; /* "ring", "nccl" */

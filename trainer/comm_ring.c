@@ -46,7 +46,7 @@
  * shut so the neighbours see a closed peer, the comm dead).
  */
 #include "comm_impl.h"
-#include "failpoint.h"
+#include "ductile/failpoint.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -6,7 +6,7 @@
  * header so a truncated or malformed file is an error, never a short read
  * that trains on garbage.
  */
-#include "data.h"
+#include "ductile/data.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -14,7 +14,7 @@
  * bucket's NCCL all-reduce, while the compute stream runs the rest of
  * backward. Host buffers handed to broadcast/allreduce are staged.
  */
-#include "ddp.h"
+#include "ductile/ddp.h"
 #include "gpu.h"
 
 #include <errno.h>

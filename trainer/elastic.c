@@ -11,7 +11,7 @@
  * communicator is only aborted while attached, and the loop detaches it
  * before freeing it, so the thread never touches a freed one.
  */
-#include "elastic.h"
+#include "ductile/elastic.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "control.h" /* the agent's public header: the control protocol */
+#include "ductile/control.h" /* the agent-worker contract: the control protocol */
 
 struct elastic {
     int fd;
@@ -42,7 +42,7 @@ struct elastic {
     int aborted;     /* comm_abort() done on c */
     int have_next;
     elastic_round next; /* the newest announced round */
-    char buf[AGENT_CTL_MAX_LINE + 1];
+    char buf[CTL_MAX_LINE + 1];
     size_t nbuf;
 };
 
@@ -97,10 +97,10 @@ static void abort_if_needed(elastic *e)
 }
 
 /* Under e->mu: one message from the agent. */
-static void on_message(elastic *e, const agent_ctl_msg *m)
+static void on_message(elastic *e, const ctl_msg *m)
 {
     switch (m->type) {
-    case AGENT_CTL_ROUND:
+    case CTL_ROUND:
         e->inplace = 1;
         if (m->round <= e->current || (e->have_next && m->round <= e->next.round)) break;
         e->next.round = m->round;
@@ -110,11 +110,11 @@ static void on_message(elastic *e, const agent_ctl_msg *m)
         snprintf(e->next.store_prefix, sizeof(e->next.store_prefix), "%s", m->store_prefix);
         e->have_next = 1;
         break;
-    case AGENT_CTL_ABORT:
+    case CTL_ABORT:
         if (m->round > e->ending) e->ending = m->round;
         if (!m->graceful && m->round > e->lost) e->lost = m->round;
         break;
-    case AGENT_CTL_STOP:
+    case CTL_STOP:
         e->stop = 1;
         break;
     default:
@@ -133,12 +133,12 @@ static int read_channel(elastic *e)
     if (n <= 0) return -1;
     for (ssize_t i = 0; i < n; i++) {
         if (chunk[i] != '\n') {
-            if (e->nbuf < AGENT_CTL_MAX_LINE) e->buf[e->nbuf++] = chunk[i];
+            if (e->nbuf < CTL_MAX_LINE) e->buf[e->nbuf++] = chunk[i];
             continue;
         }
         e->buf[e->nbuf] = 0;
-        agent_ctl_msg m;
-        if (agent_ctl_parse(e->buf, &m) == 0) {
+        ctl_msg m;
+        if (ctl_parse(e->buf, &m) == 0) {
             pthread_mutex_lock(&e->mu);
             on_message(e, &m);
             pthread_mutex_unlock(&e->mu);
@@ -240,10 +240,10 @@ int elastic_ending(elastic *e)
     return v;
 }
 
-static void send_line(elastic *e, const agent_ctl_msg *m)
+static void send_line(elastic *e, const ctl_msg *m)
 {
-    char line[AGENT_CTL_MAX_LINE + 1];
-    int n = agent_ctl_format(m, line, sizeof(line));
+    char line[CTL_MAX_LINE + 1];
+    int n = ctl_format(m, line, sizeof(line));
     if (n <= 0) return;
     pthread_mutex_lock(&e->wmu);
     /* Best effort: a full or closed channel only loses a progress report. */
@@ -253,14 +253,14 @@ static void send_line(elastic *e, const agent_ctl_msg *m)
 
 void elastic_report_step(elastic *e, int64_t step)
 {
-    agent_ctl_msg m = {.type = AGENT_CTL_STEP, .step = step};
+    ctl_msg m = {.type = CTL_STEP, .step = step};
     send_line(e, &m);
 }
 
 /* A failure report: REASON is the rest of the line, so no line breaks. */
-static void send_failure(elastic *e, agent_ctl_type type, int64_t round, const char *why)
+static void send_failure(elastic *e, ctl_type type, int64_t round, const char *why)
 {
-    agent_ctl_msg m = {.type = type, .round = round};
+    ctl_msg m = {.type = type, .round = round};
     snprintf(m.reason, sizeof(m.reason), "%s", why);
     for (char *p = m.reason; *p; p++)
         if (*p == '\n' || *p == '\r') *p = ' ';
@@ -269,12 +269,12 @@ static void send_failure(elastic *e, agent_ctl_type type, int64_t round, const c
 
 void elastic_report_failed(elastic *e, const char *why)
 {
-    send_failure(e, AGENT_CTL_FAILED, 0, why);
+    send_failure(e, CTL_FAILED, 0, why);
 }
 
 void elastic_report_peer_lost(elastic *e, int64_t round, const char *why)
 {
-    send_failure(e, AGENT_CTL_PEER_LOST, round, why);
+    send_failure(e, CTL_PEER_LOST, round, why);
 }
 
 elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int timeout_ms,

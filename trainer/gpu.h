@@ -28,10 +28,10 @@
 #include <stddef.h>
 #include <stdio.h>
 
-#include "comm.h"
+#include "ductile/comm.h"
 #include "kernels.h"
-#include "model.h"
-#include "optim.h"
+#include "ductile/model.h"
+#include "ductile/optim.h"
 
 typedef struct gpu_ctx gpu_ctx;
 

@@ -4,7 +4,7 @@
  * file stands in for them otherwise, so callers link either way and get a
  * clear "built without CUDA" error at run time instead of a link error.
  */
-#include "comm.h"
+#include "ductile/comm.h"
 
 #include <stdio.h>
 

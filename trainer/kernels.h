@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#include "layers.h" /* conv_shape; a C header */
+#include "ductile/layers.h" /* conv_shape; a C header */
 
 /* cudaStream_t without the CUDA headers. */
 typedef struct CUstream_st *kern_stream;

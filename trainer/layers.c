@@ -6,7 +6,7 @@
  * batched im2col would make fewer, larger GEMMs; at these sizes the
  * per-sample calls are not the bottleneck.
  */
-#include "layers.h"
+#include "ductile/layers.h"
 
 #include <float.h>
 #include <math.h>

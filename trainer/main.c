@@ -36,17 +36,17 @@
 #include <cJSON.h>
 #include <cblas.h>
 
-#include "ckpt.h"
-#include "comm.h"
-#include "control.h" /* the agent's protocol: AGENT_CTL_ENV, the lost-peer exit status */
-#include "data.h"
-#include "ddp.h"
-#include "elastic.h"
-#include "failpoint.h"
+#include "ductile/ckpt.h"
+#include "ductile/comm.h"
+#include "ductile/control.h" /* the agent-worker contract: CTL_ENV, the lost-peer exit status */
+#include "ductile/data.h"
+#include "ductile/ddp.h"
+#include "ductile/elastic.h"
+#include "ductile/failpoint.h"
 #include "gpu.h"
-#include "model.h"
-#include "optim.h"
-#include "rdzv.h"
+#include "ductile/model.h"
+#include "ductile/optim.h"
+#include "ductile/rdzv.h"
 
 static volatile sig_atomic_t stop_signal;
 
@@ -1106,7 +1106,7 @@ int main(int argc, char **argv)
          * exit status (the control channel may not be open yet). */
         int lost = t.g.lost || (t.g.comm && comm_err_is_peer(comm_error(t.g.comm)));
         trainer_free(&t);
-        return lost && getenv(AGENT_CTL_ENV) ? AGENT_CTL_EXIT_PEER_LOST : 1;
+        return lost && getenv(CTL_ENV) ? CTL_EXIT_PEER_LOST : 1;
     }
     char desc[256];
     model_describe(&t.o.cfg, desc, sizeof(desc));

@@ -6,14 +6,14 @@
  * flattening is free. Forward keeps every layer's output; backward walks the
  * list in reverse and reports parameters as their gradients become final.
  */
-#include "model.h"
+#include "ductile/model.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "data.h"
+#include "ductile/data.h"
 #include "gpu.h"
 
 static int add_param(model *m, const char *name, size_t numel)

@@ -6,7 +6,7 @@
  * AdamW: p *= 1 - lr*wd; m, v moving averages; bias-corrected step
  * p -= lr * m_hat / (sqrt(v_hat) + eps).
  */
-#include "optim.h"
+#include "ductile/optim.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -17,7 +17,7 @@
  * Times use CLOCK_MONOTONIC stamps printed by the participants themselves,
  * so reading their pipes late does not count.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_rdzv_procs.h"
 

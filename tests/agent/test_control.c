@@ -4,7 +4,7 @@
  * (bad numbers, ranks out of range, missing or extra words, overlong lines)
  * is refused rather than half-read.
  */
-#include "control.h"
+#include "ductile/control.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -19,13 +19,13 @@ static int failures;
         }                                                                                          \
     } while (0)
 
-static void roundtrip(const agent_ctl_msg *m)
+static void roundtrip(const ctl_msg *m)
 {
-    char line[AGENT_CTL_MAX_LINE + 2];
-    int n = agent_ctl_format(m, line, sizeof(line));
+    char line[CTL_MAX_LINE + 2];
+    int n = ctl_format(m, line, sizeof(line));
     CHECK(n > 0 && line[n - 1] == '\n' && (size_t)n == strlen(line));
-    agent_ctl_msg back;
-    CHECK(agent_ctl_parse(line, &back) == 0);
+    ctl_msg back;
+    CHECK(ctl_parse(line, &back) == 0);
     CHECK(back.type == m->type);
     CHECK(back.round == m->round && back.rank == m->rank && back.world_size == m->world_size);
     CHECK(back.local_rank == m->local_rank && back.group_rank == m->group_rank);
@@ -37,7 +37,7 @@ static void roundtrip(const agent_ctl_msg *m)
 
 int main(void)
 {
-    agent_ctl_msg m = {.type = AGENT_CTL_ROUND,
+    ctl_msg m = {.type = CTL_ROUND,
                        .round = 12,
                        .rank = 5,
                        .world_size = 6,
@@ -49,26 +49,26 @@ int main(void)
                        .master_port = 29500,
                        .store_prefix = "/ductile/job-1/rounds/12/store/"};
     roundtrip(&m);
-    agent_ctl_msg simple[] = {
-        {.type = AGENT_CTL_ABORT, .round = 9},
-        {.type = AGENT_CTL_ABORT, .round = 9, .graceful = 1},
-        {.type = AGENT_CTL_PEER_LOST, .round = 7, .reason = "allreduce: rank 2 closed"},
-        {.type = AGENT_CTL_PEER_LOST, .round = 0, .reason = ""},
-        {.type = AGENT_CTL_STOP},
-        {.type = AGENT_CTL_READY},
-        {.type = AGENT_CTL_STEP, .step = 123456789012LL},
-        {.type = AGENT_CTL_FAILED, .reason = "allreduce: peer 3 closed the connection"},
-        {.type = AGENT_CTL_FAILED, .reason = ""},
+    ctl_msg simple[] = {
+        {.type = CTL_ABORT, .round = 9},
+        {.type = CTL_ABORT, .round = 9, .graceful = 1},
+        {.type = CTL_PEER_LOST, .round = 7, .reason = "allreduce: rank 2 closed"},
+        {.type = CTL_PEER_LOST, .round = 0, .reason = ""},
+        {.type = CTL_STOP},
+        {.type = CTL_READY},
+        {.type = CTL_STEP, .step = 123456789012LL},
+        {.type = CTL_FAILED, .reason = "allreduce: peer 3 closed the connection"},
+        {.type = CTL_FAILED, .reason = ""},
     };
     for (size_t i = 0; i < sizeof(simple) / sizeof(simple[0]); i++)
         roundtrip(&simple[i]);
 
-    agent_ctl_msg out;
-    CHECK(agent_ctl_parse("step 7\r\n", &out) == 0 && out.step == 7);
+    ctl_msg out;
+    CHECK(ctl_parse("step 7\r\n", &out) == 0 && out.step == 7);
     /* An abort without a kind is the old form: a peer is lost. */
-    CHECK(agent_ctl_parse("abort 4", &out) == 0 && out.round == 4 && !out.graceful);
-    CHECK(agent_ctl_parse("abort 4 graceful", &out) == 0 && out.graceful);
-    CHECK(agent_ctl_parse("peer_lost 5", &out) == 0 && out.round == 5 && !out.reason[0]);
+    CHECK(ctl_parse("abort 4", &out) == 0 && out.round == 4 && !out.graceful);
+    CHECK(ctl_parse("abort 4 graceful", &out) == 0 && out.graceful);
+    CHECK(ctl_parse("peer_lost 5", &out) == 0 && out.round == 5 && !out.reason[0]);
     const char *bad[] = {
         "",
         "\n",
@@ -96,22 +96,22 @@ int main(void)
         "ROUND 1 0 2 0 0 1 0 a 1 /p/",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        if (agent_ctl_parse(bad[i], &out) == 0) {
+        if (ctl_parse(bad[i], &out) == 0) {
             fprintf(stderr, "accepted a bad line: '%s'\n", bad[i]);
             failures++;
         }
     }
-    char longline[AGENT_CTL_MAX_LINE + 10];
+    char longline[CTL_MAX_LINE + 10];
     memset(longline, 'x', sizeof(longline) - 1);
     memcpy(longline, "failed ", 7);
     longline[sizeof(longline) - 1] = 0;
-    CHECK(agent_ctl_parse(longline, &out) != 0);
-    agent_ctl_msg nl = {.type = AGENT_CTL_FAILED, .reason = "two\nlines"};
+    CHECK(ctl_parse(longline, &out) != 0);
+    ctl_msg nl = {.type = CTL_FAILED, .reason = "two\nlines"};
     char buf[64];
-    CHECK(agent_ctl_format(&nl, buf, sizeof(buf)) < 0);
-    CHECK(agent_ctl_format(&m, buf, 8) < 0); /* does not fit */
-    agent_ctl_msg none = {.type = AGENT_CTL_INVALID};
-    CHECK(agent_ctl_format(&none, buf, sizeof(buf)) < 0);
+    CHECK(ctl_format(&nl, buf, sizeof(buf)) < 0);
+    CHECK(ctl_format(&m, buf, 8) < 0); /* does not fit */
+    ctl_msg none = {.type = CTL_INVALID};
+    CHECK(ctl_format(&none, buf, sizeof(buf)) < 0);
     if (failures) return 1;
     printf("ok control protocol\n");
     return 0;

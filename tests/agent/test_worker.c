@@ -19,7 +19,7 @@
  * when a collective loses a peer). It also prints "hello from rank R" on
  * stdout and "stderr of rank R" on stderr.
  */
-#include "control.h"
+#include "ductile/control.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -70,7 +70,7 @@ static void write_env(const char *dir)
     if (!f) exit(3);
     for (char **e = environ; *e; e++)
         fprintf(f, "%s\n", *e);
-    const char *cfd = getenv(AGENT_CTL_ENV);
+    const char *cfd = getenv(CTL_ENV);
     int ok = cfd && fcntl(atoi(cfd), F_GETFD) >= 0;
     fprintf(f, "TEST_CONTROL_FD_OPEN=%d\nTEST_PID=%d\nTEST_PPID=%d\n", ok, (int)getpid(),
             (int)getppid());
@@ -154,7 +154,7 @@ int main(void)
     fflush(stdout);
     fprintf(stderr, "stderr of rank %d\n", rank);
 
-    int ctl = getenv(AGENT_CTL_ENV) ? atoi(getenv(AGENT_CTL_ENV)) : -1;
+    int ctl = getenv(CTL_ENV) ? atoi(getenv(CTL_ENV)) : -1;
     if (ctl >= 0 && write(ctl, "ready\n", 6) != 6) ctl = -1;
     FILE *ctl_in = ctl >= 0 ? fdopen(dup(ctl), "r") : NULL;
 
@@ -216,29 +216,29 @@ int main(void)
         for (int i = 0; got > 0 && i < n; i++) {
             if (!p[i].revents) continue;
             if (ctl_in && p[i].fd == fileno(ctl_in)) {
-                char line[AGENT_CTL_MAX_LINE + 2];
+                char line[CTL_MAX_LINE + 2];
                 if (!fgets(line, sizeof(line), ctl_in)) {
                     say(dir, "control-closed");
                     fclose(ctl_in);
                     ctl_in = NULL;
                     continue;
                 }
-                agent_ctl_msg m;
-                if (agent_ctl_parse(line, &m) != 0) {
+                ctl_msg m;
+                if (ctl_parse(line, &m) != 0) {
                     say(dir, "control-invalid %s", line);
                     continue;
                 }
-                if (m.type == AGENT_CTL_ROUND)
+                if (m.type == CTL_ROUND)
                     say(dir,
                         "round %lld rank %d world %d local %d group %d/%d restarts %lld "
                         "master %s:%d prefix %s",
                         (long long)m.round, m.rank, m.world_size, m.local_rank, m.group_rank,
                         m.group_world_size, (long long)m.restarts, m.master_addr, m.master_port,
                         m.store_prefix);
-                if (m.type == AGENT_CTL_ROUND) round = m.round;
-                if (m.type == AGENT_CTL_ABORT)
+                if (m.type == CTL_ROUND) round = m.round;
+                if (m.type == CTL_ABORT)
                     say(dir, "abort %lld %s", (long long)m.round, m.graceful ? "graceful" : "lost");
-                if (m.type == AGENT_CTL_STOP) {
+                if (m.type == CTL_STOP) {
                     say(dir, "stop");
                     if (!ignore_term) return 0;
                 }

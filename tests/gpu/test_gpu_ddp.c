@@ -20,12 +20,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "comm.h"
-#include "data.h"
-#include "ddp.h"
+#include "ductile/comm.h"
+#include "ductile/data.h"
+#include "ductile/ddp.h"
 #include "gpu_test.h"
-#include "model.h"
-#include "optim.h"
+#include "ductile/model.h"
+#include "ductile/optim.h"
 
 #define STEPS 20
 #define BATCH 16

@@ -16,12 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data.h"
+#include "ductile/data.h"
 #include "gpu_test.h"
 #include "kernels.h"
-#include "layers.h"
-#include "model.h"
-#include "optim.h"
+#include "ductile/layers.h"
+#include "ductile/model.h"
+#include "ductile/optim.h"
 
 #define TOL_EXACT 1e-6
 #define TOL_SUM 1e-4

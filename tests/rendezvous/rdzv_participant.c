@@ -13,7 +13,7 @@
  * without leaving (peers then see the lease expire). --failpoints sets
  * DUCTILE_FAILPOINTS for this process (failpoint.h).
  */
-#include "rdzv.h"
+#include "ductile/rdzv.h"
 
 #include <errno.h>
 #include <poll.h>

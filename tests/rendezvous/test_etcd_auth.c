@@ -6,7 +6,7 @@
  * ETCD_ERR_AUTH, and that after an etcd restart (which forgets every simple
  * token) the client and a live watch log in again by themselves.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

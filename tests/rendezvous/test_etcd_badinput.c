@@ -7,7 +7,7 @@
  * for a transient failure followed by a good answer, in success after a
  * retry), never a crash or a leak (this runs under ASan).
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd_fake.h"
 #include "test_etcd_util.h"
 

@@ -3,7 +3,7 @@
  * One private etcd for the whole program; each test uses its own key prefix
  * so the tests do not see each other's keys.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

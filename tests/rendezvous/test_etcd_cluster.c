@@ -7,7 +7,7 @@
  * nothing. With a second member gone there is no quorum: calls end with
  * ETCD_ERR_UNAVAILABLE or ETCD_ERR_TIMEOUT at their deadline.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

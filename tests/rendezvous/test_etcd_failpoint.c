@@ -7,8 +7,8 @@
  * Calls are counted per client name and operation (etcd_get is a range),
  * and a client that is not named is "client".
  */
-#include "etcd.h"
-#include "failpoint.h"
+#include "ductile/etcd.h"
+#include "ductile/failpoint.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

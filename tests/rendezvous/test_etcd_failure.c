@@ -6,7 +6,7 @@
  * first endpoint fails over to the second, and with no etcd at all every call
  * gives ETCD_ERR_UNAVAILABLE at its deadline instead of hanging.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

@@ -16,7 +16,7 @@
  * veth pairs are gone when member 0 dies, killed with the test. Exits 77
  * (skipped) where namespaces or veth pairs cannot be made.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

@@ -6,7 +6,7 @@
  * fail with ETCD_ERR_TLS (never a hang, never a silent plain-text fallback)
  * with a wrong CA or without a client certificate.
  */
-#include "etcd.h"
+#include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 

@@ -6,7 +6,7 @@
 #ifndef DUCTILE_TEST_ETCD_UTIL_H
 #define DUCTILE_TEST_ETCD_UTIL_H
 
-#include "etcd.h"
+#include "ductile/etcd.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -5,7 +5,7 @@
  * fires on call N, calls N to M, or N and every later one. The table is read
  * once, on the first failpoint() call, so the spec is set before it.
  */
-#include "failpoint.h"
+#include "ductile/failpoint.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -16,8 +16,8 @@
  * Real etcd, real participant processes (rdzv_participant); as in
  * test_rdzv_protocol, every scenario ends with the agreement check.
  */
-#include "etcd.h"
-#include "rdzv.h"
+#include "ductile/etcd.h"
+#include "ductile/rdzv.h"
 #include "test_etcd.h"
 #include "test_rdzv_procs.h"
 

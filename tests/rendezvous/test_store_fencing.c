@@ -7,8 +7,8 @@
  * round 1 ends with RDZV_ERR_FENCED, not at its timeout. Ends with the job
  * status as `ductile-agent status` would print it.
  */
-#include "etcd.h"
-#include "rdzv.h"
+#include "ductile/etcd.h"
+#include "ductile/rdzv.h"
 #include "test_etcd.h"
 
 #include <pthread.h>

@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "comm_impl.h"
-#include "ddp.h"
-#include "model.h"
+#include "ductile/ddp.h"
+#include "ductile/model.h"
 #include "trainer_test.h"
 
 #define KB 1024u

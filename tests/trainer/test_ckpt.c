@@ -14,7 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "ckpt.h"
+#include "ductile/ckpt.h"
 #include "trainer_test.h"
 
 #define NP 1000

@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "comm.h"
+#include "ductile/comm.h"
 
 #define TC_MAX_RANKS 16
 

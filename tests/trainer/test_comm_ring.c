@@ -12,7 +12,7 @@
 #include "test_comm_launch.h"
 #include "test_etcd.h"
 
-#include "comm.h"
+#include "ductile/comm.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -9,7 +9,7 @@
 
 #include <zlib.h>
 
-#include "data.h"
+#include "ductile/data.h"
 #include "trainer_test.h"
 
 /* ---- permutation and shards ---- */

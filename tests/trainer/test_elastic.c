@@ -21,8 +21,8 @@
 #include "trainer_test.h"
 
 #include "comm_impl.h"
-#include "control.h"
-#include "elastic.h"
+#include "ductile/control.h"
+#include "ductile/elastic.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -111,7 +111,7 @@ static void say(fixture *f, const char *line)
 
 static void say_round(fixture *f, int64_t round)
 {
-    agent_ctl_msg m = {.type = AGENT_CTL_ROUND,
+    ctl_msg m = {.type = CTL_ROUND,
                        .round = round,
                        .rank = 0,
                        .world_size = 2,
@@ -120,8 +120,8 @@ static void say_round(fixture *f, int64_t round)
     snprintf(m.master_addr, sizeof(m.master_addr), "127.0.0.1");
     snprintf(m.store_prefix, sizeof(m.store_prefix), "/ductile/j/rounds/%lld/store/",
              (long long)round);
-    char line[AGENT_CTL_MAX_LINE + 1];
-    CHECK(agent_ctl_format(&m, line, sizeof(line)) > 0, "formatting round %lld", (long long)round);
+    char line[CTL_MAX_LINE + 1];
+    CHECK(ctl_format(&m, line, sizeof(line)) > 0, "formatting round %lld", (long long)round);
     say(f, line);
 }
 
@@ -331,19 +331,19 @@ static void test_reports(void)
         test_failed++;
         return;
     }
-    char line[AGENT_CTL_MAX_LINE + 2];
-    agent_ctl_msg m;
+    char line[CTL_MAX_LINE + 2];
+    ctl_msg m;
     elastic_report_step(f.e, 17);
     elastic_report_failed(f.e, "rank 1: out of\nmemory");
     elastic_report_peer_lost(f.e, 4, "a step failed: left neighbour (rank 0) closed\r\n");
-    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && agent_ctl_parse(line, &m) == 0 &&
-              m.type == AGENT_CTL_STEP && m.step == 17,
+    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && ctl_parse(line, &m) == 0 &&
+              m.type == CTL_STEP && m.step == 17,
           "step line: %s", line);
-    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && agent_ctl_parse(line, &m) == 0 &&
-              m.type == AGENT_CTL_FAILED && strcmp(m.reason, "rank 1: out of memory") == 0,
+    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && ctl_parse(line, &m) == 0 &&
+              m.type == CTL_FAILED && strcmp(m.reason, "rank 1: out of memory") == 0,
           "failed line: %s", line);
-    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && agent_ctl_parse(line, &m) == 0 &&
-              m.type == AGENT_CTL_PEER_LOST && m.round == 4 &&
+    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && ctl_parse(line, &m) == 0 &&
+              m.type == CTL_PEER_LOST && m.round == 4 &&
               strncmp(m.reason, "a step failed: left neighbour (rank 0) closed", 45) == 0,
           "peer_lost line: %s", line);
     say(&f, "stop\n");

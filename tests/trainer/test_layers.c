@@ -11,9 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data.h"
-#include "layers.h"
-#include "model.h"
+#include "ductile/data.h"
+#include "ductile/layers.h"
+#include "ductile/model.h"
 #include "trainer_test.h"
 
 static uint64_t rng = 12345;

@@ -7,8 +7,8 @@
  */
 #include <string.h>
 
-#include "model.h"
-#include "optim.h"
+#include "ductile/model.h"
+#include "ductile/optim.h"
 #include "trainer_test.h"
 
 static model *tiny(void)

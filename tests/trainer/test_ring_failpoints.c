@@ -20,7 +20,7 @@
 #include "test_etcd.h"
 #include "trainer_test.h"
 
-#include "comm.h"
+#include "ductile/comm.h"
 
 #include <signal.h>
 #include <stdio.h>

@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model.h"
+#include "ductile/model.h"
 
 typedef enum {
     CKPT_OK = 0,

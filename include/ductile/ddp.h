@@ -20,8 +20,8 @@
 
 #include <stddef.h>
 
-#include "comm.h"
-#include "model.h"
+#include "ductile/comm.h"
+#include "ductile/model.h"
 
 typedef enum {
     DDP_OK = 0,

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "layers.h"
+#include "ductile/layers.h"
 
 typedef enum { MODEL_MLP = 0, MODEL_CNN = 1 } model_kind;
 

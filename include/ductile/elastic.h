@@ -33,7 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "comm.h"
+#include "ductile/comm.h"
 
 typedef enum {
     ELASTIC_OK = 0,

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model.h"
+#include "ductile/model.h"
 
 typedef enum { OPTIM_SGD = 0, OPTIM_ADAMW = 1 } optim_kind;
 

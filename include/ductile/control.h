@@ -1,8 +1,12 @@
-/* control.h: the control channel between ductile-agent and its workers.
+/* control.h: the contract between ductile-agent and its workers: the
+ * environment it starts them with, and the control channel it keeps to them.
+ * It sits below both the agent and the trainer; neither includes the other.
+ *
+ * ---- the control channel ----
  *
  * The agent gives each worker one end of a SOCK_STREAM socketpair as file
  * descriptor DUCTILE_CONTROL_FD. Both sides speak text lines: one message per
- * line, ended by '\n', at most AGENT_CTL_MAX_LINE bytes, words separated by
+ * line, ended by '\n', at most CTL_MAX_LINE bytes, words separated by
  * single spaces. Text keeps the channel usable from any language (a Python
  * worker can read it with socket.fromfd(...).makefile()).
  *
@@ -42,10 +46,18 @@
  *                   --max-restarts (see docs: the failure-counting rule).
  *                   Ignored when the agent is no longer in round N.
  *
+ * ---- the environment ----
+ *
+ * CTL_ENV_VARS lists every variable the agent sets for a worker (inherited
+ * values of these are dropped first): the torchrun names, so a PyTorch
+ * script runs unchanged, and DUCTILE_* for what ductile-train needs to
+ * rebuild its group. The agent also passes on its etcd credentials
+ * (CTL_ENV_CREDENTIALS) and DUCTILE_WORKER_FAILPOINTS as DUCTILE_FAILPOINTS.
+ *
  * The helpers below are static inline so that a worker needs only this file.
  */
-#ifndef DUCTILE_AGENT_CONTROL_H
-#define DUCTILE_AGENT_CONTROL_H
+#ifndef DUCTILE_CONTROL_H
+#define DUCTILE_CONTROL_H
 
 #include <errno.h>
 #include <inttypes.h>
@@ -55,28 +67,68 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AGENT_CTL_MAX_LINE 1024
-#define AGENT_CTL_ENV "DUCTILE_CONTROL_FD"
+#define CTL_MAX_LINE 1024
+/* The longest REASON of `failed` and `peer_lost`, with its NUL. */
+#define CTL_REASON_MAX 512
+
+/* X(NAME, what the agent puts there) for every variable it sets. */
+#define CTL_ENV_VARS(X)                                                                   \
+    X("RANK", "global rank of this worker in the round")                                  \
+    X("LOCAL_RANK", "rank among this node's workers")                                     \
+    X("WORLD_SIZE", "workers in the round")                                               \
+    X("LOCAL_WORLD_SIZE", "workers on this node (--nproc-per-node)")                      \
+    X("GROUP_RANK", "this node's rank in the round")                                      \
+    X("GROUP_WORLD_SIZE", "nodes in the round")                                           \
+    X("ROLE_RANK", "as RANK (one role)")                                                  \
+    X("ROLE_WORLD_SIZE", "as WORLD_SIZE (one role)")                                      \
+    X("ROLE_NAME", "--role")                                                              \
+    X("MASTER_ADDR", "node rank 0's address")                                             \
+    X("MASTER_PORT", "a free port node rank 0 published for the round")                   \
+    X("TORCHELASTIC_RESTART_COUNT", "failures counted so far")                            \
+    X("TORCHELASTIC_MAX_RESTARTS", "--max-restarts")                                      \
+    X("TORCHELASTIC_RUN_ID", "--rdzv-id")                                                 \
+    X(CTL_ENV_ENDPOINTS, "the etcd endpoints, comma-separated")                           \
+    X(CTL_ENV_JOB, "the job id (--rdzv-id)")                                              \
+    X(CTL_ENV_ROUND, "the round the worker was started in")                               \
+    X(CTL_ENV_STORE_PREFIX, "that round's store prefix in etcd")                          \
+    X(CTL_ENV, "the control channel's file descriptor")                                   \
+    X(CTL_ENV_NODE_ADDR, "this node's address: workers listen there")                     \
+    X(CTL_ENV_FAILPOINTS, "the worker's failpoints (the agent's are not inherited)")
+
+#define CTL_ENV "DUCTILE_CONTROL_FD"
+#define CTL_ENV_ENDPOINTS "DUCTILE_ETCD_ENDPOINTS"
+#define CTL_ENV_JOB "DUCTILE_JOB"
+#define CTL_ENV_ROUND "DUCTILE_ROUND"
+#define CTL_ENV_STORE_PREFIX "DUCTILE_STORE_PREFIX"
+#define CTL_ENV_NODE_ADDR "DUCTILE_NODE_ADDR"
+#define CTL_ENV_FAILPOINTS "DUCTILE_FAILPOINTS"
+/* X(NAME, rdzv_etcd field): the credentials, passed on only when set. */
+#define CTL_ENV_CREDENTIALS(X)                                                            \
+    X("DUCTILE_ETCD_CACERT", cacert)                                                      \
+    X("DUCTILE_ETCD_CERT", cert)                                                          \
+    X("DUCTILE_ETCD_KEY", key)                                                            \
+    X("DUCTILE_ETCD_USER", user)                                                          \
+    X("DUCTILE_ETCD_PASSWORD", password)
 /* A worker that exits with this status (EX_TEMPFAIL) lost a peer, as if it
  * had said `peer_lost` for its round: for a worker that could not build its
  * group at all, or any program that can tell (a PyTorch script can
  * sys.exit(75) on a lost gloo/NCCL peer). Not counted against
  * --max-restarts. */
-#define AGENT_CTL_EXIT_PEER_LOST 75
+#define CTL_EXIT_PEER_LOST 75
 
 typedef enum {
-    AGENT_CTL_INVALID = 0,
-    AGENT_CTL_ROUND,     /* agent -> worker */
-    AGENT_CTL_ABORT,     /* agent -> worker */
-    AGENT_CTL_STOP,      /* agent -> worker */
-    AGENT_CTL_READY,     /* worker -> agent */
-    AGENT_CTL_STEP,      /* worker -> agent */
-    AGENT_CTL_FAILED,    /* worker -> agent */
-    AGENT_CTL_PEER_LOST, /* worker -> agent */
-} agent_ctl_type;
+    CTL_INVALID = 0,
+    CTL_ROUND,     /* agent -> worker */
+    CTL_ABORT,     /* agent -> worker */
+    CTL_STOP,      /* agent -> worker */
+    CTL_READY,     /* worker -> agent */
+    CTL_STEP,      /* worker -> agent */
+    CTL_FAILED,    /* worker -> agent */
+    CTL_PEER_LOST, /* worker -> agent */
+} ctl_type;
 
-typedef struct agent_ctl_msg {
-    agent_ctl_type type;
+typedef struct ctl_msg {
+    ctl_type type;
     int64_t round; /* ROUND, ABORT, PEER_LOST */
     int graceful;  /* ABORT: 1 graceful, 0 lost */
     int rank;      /* ROUND: global rank */
@@ -89,11 +141,11 @@ typedef struct agent_ctl_msg {
     int master_port;
     char store_prefix[512];
     int64_t step;     /* STEP */
-    char reason[512]; /* FAILED, PEER_LOST */
-} agent_ctl_msg;
+    char reason[CTL_REASON_MAX]; /* FAILED, PEER_LOST */
+} ctl_msg;
 
 /* Parses one decimal integer word in [min, max]; 0 on success. */
-static inline int agent_ctl_int(const char *word, int64_t min, int64_t max, int64_t *out)
+static inline int ctl_int(const char *word, int64_t min, int64_t max, int64_t *out)
 {
     if (!word || !*word) return -1;
     char *end = NULL;
@@ -105,7 +157,7 @@ static inline int agent_ctl_int(const char *word, int64_t min, int64_t max, int6
 }
 
 /* Copies src into dst[len]; -1 when it does not fit. */
-static inline int agent_ctl_copy(char *dst, size_t len, const char *src)
+static inline int ctl_copy(char *dst, size_t len, const char *src)
 {
     size_t n = strlen(src);
     if (n >= len) return -1;
@@ -115,25 +167,25 @@ static inline int agent_ctl_copy(char *dst, size_t len, const char *src)
 
 /* Parses one line (with or without its '\n'). Returns 0 and fills *m, or -1
  * when the line is not a valid message. */
-static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
+static inline int ctl_parse(const char *line, ctl_msg *m)
 {
     memset(m, 0, sizeof(*m));
-    char buf[AGENT_CTL_MAX_LINE + 1];
+    char buf[CTL_MAX_LINE + 1];
     size_t n = strlen(line);
-    if (n > AGENT_CTL_MAX_LINE) return -1;
+    if (n > CTL_MAX_LINE) return -1;
     memcpy(buf, line, n + 1);
     while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
         buf[--n] = 0;
     if (strncmp(buf, "failed", 6) == 0 && (buf[6] == ' ' || buf[6] == 0)) {
-        m->type = AGENT_CTL_FAILED;
-        return agent_ctl_copy(m->reason, sizeof(m->reason), buf[6] ? buf + 7 : "");
+        m->type = CTL_FAILED;
+        return ctl_copy(m->reason, sizeof(m->reason), buf[6] ? buf + 7 : "");
     }
     if (strncmp(buf, "peer_lost ", 10) == 0) {
         char *sp = strchr(buf + 10, ' ');
         if (sp) *sp = 0;
-        if (agent_ctl_int(buf + 10, 0, INT64_MAX, &m->round)) return -1;
-        m->type = AGENT_CTL_PEER_LOST;
-        return agent_ctl_copy(m->reason, sizeof(m->reason), sp ? sp + 1 : "");
+        if (ctl_int(buf + 10, 0, INT64_MAX, &m->round)) return -1;
+        m->type = CTL_PEER_LOST;
+        return ctl_copy(m->reason, sizeof(m->reason), sp ? sp + 1 : "");
     }
     char *w[12];
     int nw = 0;
@@ -145,30 +197,30 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
     if (nw == 0) return -1;
     int64_t v[8];
     if (strcmp(w[0], "ready") == 0 && nw == 1) {
-        m->type = AGENT_CTL_READY;
+        m->type = CTL_READY;
     } else if (strcmp(w[0], "stop") == 0 && nw == 1) {
-        m->type = AGENT_CTL_STOP;
+        m->type = CTL_STOP;
     } else if (strcmp(w[0], "step") == 0 && nw == 2) {
-        if (agent_ctl_int(w[1], 0, INT64_MAX, &m->step)) return -1;
-        m->type = AGENT_CTL_STEP;
+        if (ctl_int(w[1], 0, INT64_MAX, &m->step)) return -1;
+        m->type = CTL_STEP;
     } else if (strcmp(w[0], "abort") == 0 && (nw == 2 || nw == 3)) {
-        if (agent_ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
+        if (ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
         if (nw == 3 && strcmp(w[2], "graceful") == 0)
             m->graceful = 1;
         else if (nw == 3 && strcmp(w[2], "lost") != 0)
             return -1;
-        m->type = AGENT_CTL_ABORT;
+        m->type = CTL_ABORT;
     } else if (strcmp(w[0], "round") == 0 && nw == 11) {
-        if (agent_ctl_int(w[1], 0, INT64_MAX, &v[0]) || agent_ctl_int(w[2], 0, INT_MAX, &v[1]) ||
-            agent_ctl_int(w[3], 1, INT_MAX, &v[2]) || agent_ctl_int(w[4], 0, INT_MAX, &v[3]) ||
-            agent_ctl_int(w[5], 0, INT_MAX, &v[4]) || agent_ctl_int(w[6], 1, INT_MAX, &v[5]) ||
-            agent_ctl_int(w[7], 0, INT64_MAX, &v[6]) || agent_ctl_int(w[9], 0, 65535, &v[7]))
+        if (ctl_int(w[1], 0, INT64_MAX, &v[0]) || ctl_int(w[2], 0, INT_MAX, &v[1]) ||
+            ctl_int(w[3], 1, INT_MAX, &v[2]) || ctl_int(w[4], 0, INT_MAX, &v[3]) ||
+            ctl_int(w[5], 0, INT_MAX, &v[4]) || ctl_int(w[6], 1, INT_MAX, &v[5]) ||
+            ctl_int(w[7], 0, INT64_MAX, &v[6]) || ctl_int(w[9], 0, 65535, &v[7]))
             return -1;
         if (v[1] >= v[2] || v[4] >= v[5]) return -1;
-        if (agent_ctl_copy(m->master_addr, sizeof(m->master_addr), w[8]) ||
-            agent_ctl_copy(m->store_prefix, sizeof(m->store_prefix), w[10]))
+        if (ctl_copy(m->master_addr, sizeof(m->master_addr), w[8]) ||
+            ctl_copy(m->store_prefix, sizeof(m->store_prefix), w[10]))
             return -1;
-        m->type = AGENT_CTL_ROUND;
+        m->type = CTL_ROUND;
         m->round = v[0];
         m->rank = (int)v[1];
         m->world_size = (int)v[2];
@@ -185,40 +237,40 @@ static inline int agent_ctl_parse(const char *line, agent_ctl_msg *m)
 
 /* Formats m as one line with its '\n'. Returns the length, or -1 when it
  * does not fit in len or the message is invalid. */
-static inline int agent_ctl_format(const agent_ctl_msg *m, char *out, size_t len)
+static inline int ctl_format(const ctl_msg *m, char *out, size_t len)
 {
     int n = -1;
     switch (m->type) {
-    case AGENT_CTL_ROUND:
+    case CTL_ROUND:
         n = snprintf(out, len, "round %" PRId64 " %d %d %d %d %d %" PRId64 " %s %d %s\n", m->round,
                      m->rank, m->world_size, m->local_rank, m->group_rank, m->group_world_size,
                      m->restarts, m->master_addr, m->master_port, m->store_prefix);
         break;
-    case AGENT_CTL_ABORT:
+    case CTL_ABORT:
         n = snprintf(out, len, "abort %" PRId64 " %s\n", m->round,
                      m->graceful ? "graceful" : "lost");
         break;
-    case AGENT_CTL_STOP:
+    case CTL_STOP:
         n = snprintf(out, len, "stop\n");
         break;
-    case AGENT_CTL_READY:
+    case CTL_READY:
         n = snprintf(out, len, "ready\n");
         break;
-    case AGENT_CTL_STEP:
+    case CTL_STEP:
         n = snprintf(out, len, "step %" PRId64 "\n", m->step);
         break;
-    case AGENT_CTL_FAILED:
+    case CTL_FAILED:
         if (strchr(m->reason, '\n')) return -1;
         n = snprintf(out, len, "failed %s\n", m->reason);
         break;
-    case AGENT_CTL_PEER_LOST:
+    case CTL_PEER_LOST:
         if (strchr(m->reason, '\n')) return -1;
         n = snprintf(out, len, "peer_lost %" PRId64 " %s\n", m->round, m->reason);
         break;
     default:
         return -1;
     }
-    if (n < 0 || (size_t)n >= len || n > AGENT_CTL_MAX_LINE) return -1;
+    if (n < 0 || (size_t)n >= len || n > CTL_MAX_LINE) return -1;
     return n;
 }
 

@@ -14,7 +14,7 @@
 
 #include <stddef.h>
 
-#include "rdzv.h"
+#include "ductile/rdzv.h"
 
 typedef enum {
     COMM_OK = 0,

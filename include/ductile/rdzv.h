@@ -51,8 +51,19 @@ typedef struct rdzv_etcd {
     int timeout_ms; /* deadline of one etcd call; 0 means 5000 */
 } rdzv_etcd;
 
+/* The size of a msg buffer that rdzv_* functions fill with a one-line reason. */
+#define RDZV_MSG_MAX 256
+
 /* Job ids: [a-z0-9][a-z0-9-]{0,62}. Returns 1 when valid. */
 int rdzv_job_id_valid(const char *job);
+/* Node ids: [A-Za-z0-9._-]{1,128}. Returns 1 when valid. */
+int rdzv_node_id_valid(const char *node);
+#define RDZV_NODE_ID_MAX 128
+
+/* The etcd prefix of round's store (what workers get as
+ * DUCTILE_STORE_PREFIX): "/ductile/<job>/rounds/<round>/store/". Returns its
+ * length, or -1 when it does not fit in len or job is not a job id. */
+int rdzv_store_prefix(const char *job, int64_t round, char *out, size_t len);
 
 /* The most workers one node may run: a join above it is refused by
  * rdzv_open (and skipped if one is found in etcd), so a world size always
@@ -93,6 +104,8 @@ typedef struct rdzv_round {
 } rdzv_round;
 
 void rdzv_round_free(rdzv_round *r);
+/* This node's entry of r (the member whose rank is r->my_rank), NULL if none. */
+const rdzv_member *rdzv_round_self(const rdzv_round *r);
 
 typedef enum {
     RDZV_CAUSE_NONE = 0,
@@ -133,7 +146,7 @@ typedef struct rdzv rdzv;
  * which joins the current or next round at once. Fails with
  * RDZV_ERR_JOB_DONE / RDZV_ERR_JOB_FAILED when the job has already ended, and
  * RDZV_ERR_DUPLICATE when a live node holds this node id. msg (may be NULL,
- * 256 bytes) receives a one-line reason on failure. */
+ * RDZV_MSG_MAX bytes) receives a one-line reason on failure. */
 rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg);
 
 /* Readable (poll POLLIN) while an event is pending. */
