@@ -24,7 +24,6 @@
 #include <stdint.h>
 
 #define RDZV_KEY_MAX 512
-#define RDZV_MSG_MAX 256
 
 /* One member as the round record lists it. lease is the lease of the
  * member's registration when it joined: a node key under another lease is

@@ -134,7 +134,7 @@ typedef struct rdzv_event {
     int64_t round_number; /* ROUND_ENDED: the round that ended */
     rdzv_cause cause;     /* ROUND_ENDED */
     char node[129];       /* ROUND_ENDED: the node that caused it, if known */
-    char reason[256];     /* ROUND_ENDED, JOB_FAILED, ERROR: one human-readable line */
+    char reason[RDZV_MSG_MAX]; /* ROUND_ENDED, JOB_FAILED, ERROR: one human-readable line */
     rdzv_err err;         /* ERROR */
 } rdzv_event;
 
@@ -217,7 +217,7 @@ typedef struct rdzv_status {
     int64_t restarts;
     int max_restarts;
     char job_state[16]; /* "running", "done", "failed" or "none" */
-    char reason[256];   /* why it failed, if it did */
+    char reason[RDZV_MSG_MAX]; /* why it failed, if it did */
 } rdzv_status;
 
 rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *out, char *msg);
