@@ -84,6 +84,8 @@ static size_t buf_write(void *data, size_t size, size_t n, void *user)
     return etcd_buf_append(user, data, size * n) == 0 ? size * n : 0;
 }
 
+/* ---- a connection: endpoints, TLS, auth, one curl handle ---- */
+
 void etcd_conn_seterr(etcd_conn *k, const char *fmt, ...)
 {
     va_list ap;

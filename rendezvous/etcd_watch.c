@@ -23,8 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- watch ---- */
-
 typedef enum { W_DOWN, W_CONNECTING, W_LIVE, W_DEAD } watch_state;
 
 struct etcd_watch {
