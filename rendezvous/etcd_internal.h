@@ -1,15 +1,25 @@
-/* etcd_internal.h: private to etcd.c and etcd_json.c (and their tests).
+/* etcd_internal.h: private to the etcd client (etcd_*.c) and its tests.
+ *
+ * The client is split along its seams, each file built on the one before:
+ *   etcd_json.c    answer parsing (and base64), where the fuzz target reaches it
+ *   etcd_conn.c    a connection: endpoints, TLS, auth token, the retry policy
+ *   etcd_client.c  the client object, its failpoints, request building
+ *   etcd_kv.c      key-value, txn and lease calls
+ *   etcd_watch.c   the watch stream
  *
  * The parsers take the raw bytes of an answer, so that the fuzz target and
  * the corpus replay drive exactly the code a real answer goes through. Each
  * fills its result only on ETCD_OK and frees what it made otherwise; on error
- * it writes a one-line reason into err.
+ * it writes a one-line reason into err. The fuzz target builds etcd_json.c
+ * alone: it uses only the parser half of this header.
  */
 #ifndef DUCTILE_ETCD_INTERNAL_H
 #define DUCTILE_ETCD_INTERNAL_H
 
 #include "ductile/etcd.h"
 
+#include <cjson/cJSON.h>
+#include <curl/curl.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -20,6 +30,9 @@
 #define ETCD_MAX_TXN_OPS 128
 #define ETCD_MAX_BIG_ANSWER ((size_t)64 << 20)
 #define ETCD_MAX_SMALL_ANSWER ((size_t)1 << 20)
+
+/* The message of one gRPC error or watch cancel, as kept (longer ones are cut). */
+#define ETCD_REASON_MAX 200
 
 /* Base64 (standard alphabet, padded), as the gateway writes bytes. The
  * decoder NUL-terminates its output and rejects anything that is not
@@ -53,8 +66,8 @@ typedef struct etcd_watch_msg {
     int canceled;
     int64_t header_revision;
     int64_t compact_revision;
-    int error_code;   /* set when the message is an error (stream error or cancel) */
-    char reason[200]; /* cancel_reason or the stream error's message */
+    int error_code;               /* set when the message is an error (stream error or cancel) */
+    char reason[ETCD_REASON_MAX]; /* cancel_reason or the stream error's message */
     etcd_event *events;
     size_t n;
 } etcd_watch_msg;
@@ -62,5 +75,89 @@ typedef struct etcd_watch_msg {
 etcd_err etcd_parse_watch_msg(const char *line, size_t len, etcd_watch_msg *out, char *err,
                               size_t errlen);
 void etcd_watch_msg_free(etcd_watch_msg *m);
+
+/* ---- a connection (etcd_conn.c) ---- */
+
+#define ETCD_CONNECT_TIMEOUT_MS 2000 /* one endpoint; a dead one must not eat the deadline */
+#define ETCD_BACKOFF_FIRST_MS 25
+#define ETCD_BACKOFF_MAX_MS 1000
+
+/* A growing buffer with a cap: an answer, or a watch stream's unread bytes. */
+typedef struct etcd_buf {
+    char *p;
+    size_t len, cap, limit;
+    int over; /* the answer went past limit */
+} etcd_buf;
+
+int etcd_buf_append(etcd_buf *b, const void *data, size_t n);
+void etcd_buf_reset(etcd_buf *b, size_t limit);
+void etcd_buf_free(etcd_buf *b);
+
+/* Endpoints, TLS, auth, one curl handle. */
+typedef struct etcd_conn {
+    char **endpoints;
+    size_t nendpoints;
+    size_t cur; /* endpoint tried first; moves on after a failure */
+    char *cacert, *cert, *key, *user, *password;
+    char *token;
+    CURL *easy;
+    uint64_t rng;
+    char err[ETCD_MSG_MAX]; /* etcd_last_error, etcd_watch_last_error */
+} etcd_conn;
+
+etcd_err etcd_conn_init(etcd_conn *k, const etcd_config *cfg);
+/* A copy for a watch: same endpoints and credentials, its own handle. */
+etcd_err etcd_conn_copy(etcd_conn *dst, const etcd_conn *src);
+void etcd_conn_free(etcd_conn *k);
+void etcd_conn_seterr(etcd_conn *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Jitter for backoffs. */
+uint64_t etcd_conn_rand(etcd_conn *k);
+/* Options shared by unary calls and watch streams: URL of the current
+ * endpoint, headers (*hdrs, the caller frees them), TLS, keep-alive. */
+etcd_err etcd_conn_setup(etcd_conn *k, CURL *h, const char *path, struct curl_slist **hdrs);
+
+/* etcd_conn_call flags: may be sent again after a lost answer; no token. */
+enum { ETCD_CALL_IDEMPOTENT = 1, ETCD_CALL_NO_AUTH = 2 };
+
+/* POST body to path on some endpoint before deadline; on ETCD_OK *ans holds
+ * the 200 answer (at most limit bytes). flags: ETCD_CALL_*. */
+etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t limit, int flags,
+                        int64_t deadline, etcd_buf *ans);
+/* Logs in as k->user and keeps the token in k->token. */
+etcd_err etcd_conn_authenticate(etcd_conn *k, int64_t deadline);
+
+/* A TLS failure is final (retrying cannot fix a certificate). */
+int etcd_is_tls_error(CURLcode cc, const char *detail);
+/* What a gRPC status from the gateway means to a caller. */
+etcd_err etcd_map_grpc(int code, const char *msg, int http);
+/* The auth token expired or etcd restarted: log in again. */
+int etcd_is_token_error(int code, const char *msg);
+
+/* ---- the client (etcd_client.c) ---- */
+
+struct etcd_client {
+    etcd_conn k;
+    int cfg_timeout_ms;
+    int timeout_ms;
+    char name[32]; /* for failpoints: etcd.<name>.<op> */
+};
+
+/* The action of failpoint etcd.<client name>.<op> for this call:
+ * "unavailable", "ambiguous", or NULL. */
+const char *etcd_client_failpoint(const etcd_client *c, const char *op);
+/* What a call hears when its failpoint fires: unsent, or answer dropped. */
+etcd_err etcd_failpoint_unavailable(etcd_client *c, const char *path);
+etcd_err etcd_failpoint_ambiguous(etcd_client *c, const char *path);
+/* Serialize req (consumed) and make the call; op names its failpoint. */
+etcd_err etcd_client_call(etcd_client *c, const char *op, const char *path, cJSON *req,
+                          size_t limit, int flags, etcd_buf *ans);
+
+/* Request building: each returns 1, or 0 when out of memory. */
+int etcd_add_b64(cJSON *o, const char *name, const void *data, size_t len);
+int etcd_add_int64(cJSON *o, const char *name, int64_t v);
+/* key, and range_end for a prefix. */
+int etcd_add_key_range(cJSON *o, const char *key, int prefix);
+/* ETCD_ERR_ARG (with the reason in the client) for an empty key. */
+etcd_err etcd_check_key(etcd_client *c, const char *key, int prefix);
 
 #endif

@@ -100,7 +100,7 @@ static int parse_spec(const char *spec, fp_entry *t, int *n, char *msg, size_t m
 static void load(void)
 {
     const char *spec = getenv(FAILPOINT_ENV);
-    char msg[256];
+    char msg[FAILPOINT_MSG_MAX];
     if (!spec || parse_spec(spec, fp.e, &fp.n, msg, sizeof(msg)) != 0) fp.n = 0;
 }
 
@@ -139,7 +139,7 @@ int failpoint_check_env(char *msg, size_t len)
     const char *spec = getenv(FAILPOINT_ENV);
     fp_entry t[FP_MAX];
     int n = 0;
-    char why[200];
+    char why[FAILPOINT_MSG_MAX];
     if (!spec || parse_spec(spec, t, &n, why, sizeof(why)) == 0) return 0;
     snprintf(msg, len, "%s: %s", FAILPOINT_ENV, why);
     return -1;

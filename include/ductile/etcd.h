@@ -39,6 +39,11 @@ typedef enum {
 
 const char *etcd_strerror(etcd_err err);
 
+/* The longest message the client keeps, NUL included: etcd_last_error and
+ * etcd_watch_last_error are at most this long, and an err buffer of this
+ * size holds etcd_client_new_err's reason whole. */
+#define ETCD_MSG_MAX 512
+
 typedef struct etcd_config {
     const char *endpoints; /* "http://127.0.0.1:2379,https://h:2379"; bare host:port means http */
     const char *cacert;    /* PEM file to verify the server, or NULL */

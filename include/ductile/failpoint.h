@@ -43,6 +43,9 @@
 
 #define FAILPOINT_ENV "DUCTILE_FAILPOINTS"
 
+/* A buffer of this size holds failpoint_check_env's reason whole. */
+#define FAILPOINT_MSG_MAX 256
+
 /* The ACTION for this call of `name`, or NULL when it should not fail.
  * Counts the call. Thread-safe. */
 const char *failpoint(const char *name);
