@@ -20,6 +20,7 @@
  * CUDA graphs of the whole step would remove the launch cost.
  */
 #include "gpu.h"
+#include "ductile/clock.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -639,24 +640,17 @@ void gpu_mark(model *m, int slot)
     cuda_ok(g, cudaEventRecord(g->marks[slot], g->compute), "bucket event");
 }
 
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Polled, so a wedged device turns into an error, never a hang. */
 int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg)
 {
     gpu_ctx *g = m->dev;
-    int64_t deadline = now_ms() + timeout_ms;
+    int64_t deadline = mono_now_ms() + timeout_ms;
     cudaError_t e = cudaSetDevice(g->device);
     while (e == cudaSuccess) {
         e = cudaEventQuery(g->marks[slot]);
         if (e == cudaSuccess) return 0;
         if (e != cudaErrorNotReady) break;
-        if (now_ms() >= deadline) {
+        if (mono_now_ms() >= deadline) {
             snprintf(msg, 256, "gradients of bucket %d not written after %d ms", slot, timeout_ms);
             return -1;
         }
