@@ -30,7 +30,7 @@ struct comm {
     int world_size;
     atomic_int aborted; /* set by comm_abort() from any thread */
     comm_err dead;      /* first error; every later call returns it */
-    char last_error[256];
+    char last_error[COMM_MSG_MAX];
 };
 
 /* Fills the shared part of a new comm. */

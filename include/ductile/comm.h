@@ -31,6 +31,9 @@ typedef enum {
 
 const char *comm_strerror(comm_err err);
 
+/* The size of the one-line reason a comm keeps (comm_last_error). */
+#define COMM_MSG_MAX 256
+
 /* 1 when err says a peer went away, not that this process failed: a closed
  * connection (PEER), a silent peer (TIMEOUT), an abort (the group was
  * dropped because a peer was lost) or the round store refusing the round
