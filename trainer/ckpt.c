@@ -284,6 +284,31 @@ int ckpt_verify(const char *path, char *msg)
     return 0;
 }
 
+/* Loads one file into *st, params and opt if it reads back whole and
+ * matches want; else -1 and why (CKPT_MSG_MAX bytes). */
+static int load_one(const char *path, const ckpt_state *want, ckpt_state *st, float *params,
+                    size_t nparams, float *opt, size_t nopt, char *why)
+{
+    ckpt_header h;
+    float *payload;
+    char reason[CKPT_MSG_MAX];
+    if (read_checkpoint(path, &h, &payload, reason) != 0) {
+        snprintf(why, CKPT_MSG_MAX, "unusable: %.200s", reason);
+        return -1;
+    }
+    if (memcmp(&h.st.cfg, &want->cfg, sizeof(want->cfg)) != 0 ||
+        h.st.optim_kind != want->optim_kind || h.nparams != nparams || h.nopt != nopt) {
+        snprintf(why, CKPT_MSG_MAX, "is for another model or optimizer");
+        free(payload);
+        return -1;
+    }
+    *st = h.st;
+    memcpy(params, payload, nparams * sizeof(float));
+    memcpy(opt, payload + nparams, nopt * sizeof(float));
+    free(payload);
+    return 0;
+}
+
 ckpt_err ckpt_load(const char *dir, const ckpt_state *want, ckpt_state *st, float *params,
                    size_t nparams, float *opt, size_t nopt, char *path, char *msg)
 {
@@ -297,36 +322,25 @@ ckpt_err ckpt_load(const char *dir, const ckpt_state *want, ckpt_state *st, floa
         snprintf(msg, CKPT_MSG_MAX, "no checkpoint in %.160s", dir);
         return CKPT_ERR_NONE;
     }
-    ckpt_err err = CKPT_ERR_INVALID;
-    char full[CKPT_PATH_MAX], why[CKPT_MSG_MAX];
-    for (int i = 0; i < n; i++) {
-        ckpt_header h;
-        float *payload;
+    /* Newest first: the first file that loads wins; the newest one skipped
+     * is named in msg for the caller to warn about. */
+    char full[CKPT_PATH_MAX], why[CKPT_MSG_MAX], newest[CKPT_MSG_MAX] = "";
+    int i;
+    for (i = 0; i < n; i++) {
         snprintf(full, sizeof(full), "%s/%s", dir, files[i].name);
-        if (read_checkpoint(full, &h, &payload, why) != 0) {
-            fprintf(stderr, "ductile-train: checkpoint %s unusable: %s; trying an older one\n",
-                    full, why);
-            continue;
-        }
-        if (memcmp(&h.st.cfg, &want->cfg, sizeof(want->cfg)) != 0 ||
-            h.st.optim_kind != want->optim_kind || h.nparams != nparams || h.nopt != nopt) {
-            fprintf(stderr,
-                    "ductile-train: checkpoint %s is for another model or optimizer; "
-                    "trying an older one\n",
-                    full);
-            free(payload);
-            continue;
-        }
-        *st = h.st;
-        memcpy(params, payload, nparams * sizeof(float));
-        memcpy(opt, payload + nparams, nopt * sizeof(float));
-        free(payload);
-        if (path) snprintf(path, CKPT_PATH_MAX, "%s", full);
-        err = CKPT_OK;
-        break;
+        if (load_one(full, want, st, params, nparams, opt, nopt, why) == 0) break;
+        if (i == 0) snprintf(newest, sizeof(newest), "%.40s %.200s", files[i].name, why);
     }
+    ckpt_err err = i < n ? CKPT_OK : CKPT_ERR_INVALID;
+    if (err == CKPT_OK && path) snprintf(path, CKPT_PATH_MAX, "%s", full);
     if (err != CKPT_OK)
-        snprintf(msg, CKPT_MSG_MAX, "none of the %d checkpoints in %.160s is usable", n, dir);
+        snprintf(msg, CKPT_MSG_MAX, "none of the %d checkpoints in %.60s is usable (newest: %.78s)",
+                 n, dir, newest);
+    else if (i > 0)
+        snprintf(msg, CKPT_MSG_MAX, "%d newer checkpoint%s skipped (newest: %.140s)", i,
+                 i > 1 ? "s" : "", newest);
+    else
+        msg[0] = '\0';
     free(files);
     return err;
 }

@@ -56,8 +56,11 @@ ckpt_err ckpt_save(const char *dir, const ckpt_state *st, const float *params, s
                    const float *opt, size_t nopt, char *path, char *msg);
 
 /* Loads the newest usable checkpoint whose model, optimizer and sizes match
- * `want` (cfg, optim_kind, optim_nstate) into *st, params and opt. Each
- * unusable file costs one warning line on stderr. */
+ * `want` (cfg, optim_kind, optim_nstate) into *st, params and opt; path (may
+ * be NULL, CKPT_PATH_MAX bytes) receives the file loaded. msg (CKPT_MSG_MAX
+ * bytes) receives the reason on failure; on success it is "" or, when newer
+ * files were unusable and skipped, a note naming the newest of them, for the
+ * caller to warn about. */
 ckpt_err ckpt_load(const char *dir, const ckpt_state *want, ckpt_state *st, float *params,
                    size_t nparams, float *opt, size_t nopt, char *path, char *msg);
 
