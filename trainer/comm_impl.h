@@ -40,6 +40,10 @@ void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size);
 comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* Ends a failed init whose reason is why (NULL or "" when none was
+ * recorded): says it in cfg->msg and returns err. */
+comm_err comm_init_failed(const comm_config *cfg, comm_err err, const char *why);
+
 /* 1 once comm_abort() was called. */
 int comm_is_aborted(const comm *c);
 

@@ -24,7 +24,6 @@
 #include <nccl.h>
 
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -252,9 +251,9 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     *out = NULL;
     if (!cfg || cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size ||
         cfg->timeout_ms < 0 || cfg->device < 0 || (cfg->world_size > 1 && !cfg->store))
-        return COMM_ERR_ARG;
+        return comm_init_failed(cfg, COMM_ERR_ARG, NULL);
     nccl_comm *g = calloc(1, sizeof(*g));
-    if (!g) return COMM_ERR_NOMEM;
+    if (!g) return comm_init_failed(cfg, COMM_ERR_NOMEM, NULL);
     comm_base_init(&g->base, &nccl_ops, cfg->rank, cfg->world_size);
     g->device = cfg->device;
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : NCCL_DEFAULT_TIMEOUT_MS;
@@ -300,7 +299,7 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     *out = &g->base;
     return COMM_OK;
 err:
-    if (g->base.last_error[0]) fprintf(stderr, "comm: %s\n", g->base.last_error);
+    comm_init_failed(cfg, err, g->base.last_error);
     g->broken = 1;
     nccl_destroy(&g->base);
     return err;

@@ -955,7 +955,7 @@ comm_err comm_ring_init(const comm_config *cfg, comm **out)
     *out = NULL;
     ring *g = NULL;
     comm_err err = ring_new(cfg, &g);
-    if (err != COMM_OK) return err;
+    if (err != COMM_OK) return comm_init_failed(cfg, err, NULL);
     if (cfg->world_size > 1) {
         if (!cfg->store) {
             err = COMM_ERR_ARG;
@@ -967,8 +967,7 @@ comm_err comm_ring_init(const comm_config *cfg, comm **out)
     *out = &g->base;
     return COMM_OK;
 err:
-    /* The reason is in g's last error; say it once, here, where it is known. */
-    if (g->base.last_error[0]) fprintf(stderr, "comm: %s\n", g->base.last_error);
+    comm_init_failed(cfg, err, g->base.last_error);
     ring_destroy(&g->base);
     return err;
 }

@@ -50,13 +50,16 @@ typedef struct comm_config {
     int timeout_ms;     /* deadline for a silent peer (default 30000) */
     size_t chunk_bytes; /* ring pipeline chunk (default 256 KiB) */
     int device;         /* NCCL: CUDA device ordinal */
+    char *msg;          /* optional, COMM_MSG_MAX bytes: why an init failed */
 } comm_config;
 
 typedef struct comm comm;
 
-/* CPU: TCP ring. */
+/* CPU: TCP ring. On failure *out is NULL and cfg->msg, when set, says why
+ * in one line. */
 comm_err comm_ring_init(const comm_config *cfg, comm **out);
-/* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). */
+/* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). Fails as
+ * comm_ring_init does. */
 comm_err comm_nccl_init(const comm_config *cfg, comm **out);
 
 int comm_rank(const comm *c);
