@@ -1,5 +1,9 @@
 /* ckpt.c: atomic, checksummed checkpoint files (see ckpt.h for the format).
  *
+ * The idea: a checkpoint is written beside the old ones and renamed into
+ * place, and a load walks the files newest first until one reads back whole,
+ * so no crash or corruption costs more than the newest checkpoint.
+ *
  * The header is written in the host's byte order with fixed-width fields
  * (checkpoints move between identical trainers, not architectures); the
  * CRC-32 (zlib) covers the header with its crc field zeroed and the payload.

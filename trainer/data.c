@@ -1,4 +1,10 @@
-/* data.c: IDX reader, shuffling and sharding (see data.h for the idea).
+/* data.c: IDX reader, shuffling and sharding.
+ *
+ * The idea (data.h says it in full): an epoch's position is one global
+ * sample counter over a permutation that depends on (seed, epoch) alone, so
+ * each rank finds its slice of a global batch by arithmetic, with no
+ * coordination, and the ranks consume every sample once whatever the world
+ * size.
  *
  * IDX files are a big-endian header (magic 0x0000080N where N is the number
  * of dimensions, then N 32-bit sizes) followed by unsigned bytes. zlib's
