@@ -1,5 +1,9 @@
 /* ckpt.c: atomic, checksummed checkpoint files (see ckpt.h for the format).
  *
+ * The idea: a checkpoint is written beside the old ones and renamed into
+ * place, and a load walks the files newest first until one reads back whole,
+ * so no crash or corruption costs more than the newest checkpoint.
+ *
  * The header is written in the host's byte order with fixed-width fields
  * (checkpoints move between identical trainers, not architectures); the
  * CRC-32 (zlib) covers the header with its crc field zeroed and the payload.
@@ -161,7 +165,7 @@ static void prune(const char *dir, const char *keep)
     ckpt_file *files;
     int n = list_checkpoints(dir, &files);
     int kept_previous = 0;
-    char path[4096], why[256];
+    char path[CKPT_PATH_MAX], why[CKPT_MSG_MAX];
     for (int i = 0; i < n; i++) {
         if (strcmp(files[i].name, keep) == 0) continue;
         snprintf(path, sizeof(path), "%s/%s", dir, files[i].name);
@@ -177,9 +181,9 @@ static void prune(const char *dir, const char *keep)
 ckpt_err ckpt_save(const char *dir, const ckpt_state *st, const float *params, size_t nparams,
                    const float *opt, size_t nopt, char *path, char *msg)
 {
-    char name[256], final[4096], tmp[4096];
+    char name[256], final[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX];
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-        snprintf(msg, 256, "cannot create %.160s: %s", dir, strerror(errno));
+        snprintf(msg, CKPT_MSG_MAX, "cannot create %.160s: %s", dir, strerror(errno));
         return CKPT_ERR_DIR;
     }
     snprintf(name, sizeof(name), "ckpt-r%08lld-s%010lld.bin", (long long)st->round,
@@ -200,27 +204,28 @@ ckpt_err ckpt_save(const char *dir, const ckpt_state *st, const float *params, s
 
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
-        snprintf(msg, 256, "cannot create %.160s: %s", tmp, strerror(errno));
+        snprintf(msg, CKPT_MSG_MAX, "cannot create %.160s: %s", tmp, strerror(errno));
         return CKPT_ERR_WRITE;
     }
     if (write_all(fd, &h, sizeof(h)) != 0 || write_all(fd, params, nparams * sizeof(float)) != 0 ||
         write_all(fd, opt, nopt * sizeof(float)) != 0 || fsync(fd) != 0) {
-        snprintf(msg, 256, "writing %.160s: %s (previous checkpoints kept)", tmp, strerror(errno));
+        snprintf(msg, CKPT_MSG_MAX, "writing %.160s: %s (previous checkpoints kept)", tmp,
+                 strerror(errno));
         close(fd);
         unlink(tmp);
         return CKPT_ERR_WRITE;
     }
     if (close(fd) != 0 || rename(tmp, final) != 0) {
-        snprintf(msg, 256, "finishing %.160s: %s (previous checkpoints kept)", final,
+        snprintf(msg, CKPT_MSG_MAX, "finishing %.160s: %s (previous checkpoints kept)", final,
                  strerror(errno));
         unlink(tmp);
         return CKPT_ERR_WRITE;
     }
     if (fsync_dir(dir) != 0) {
-        snprintf(msg, 256, "fsync of %.160s: %s", dir, strerror(errno));
+        snprintf(msg, CKPT_MSG_MAX, "fsync of %.160s: %s", dir, strerror(errno));
         return CKPT_ERR_WRITE;
     }
-    if (path) snprintf(path, 4096, "%s", final);
+    if (path) snprintf(path, CKPT_PATH_MAX, "%s", final);
     prune(dir, name);
     return CKPT_OK;
 }
@@ -231,37 +236,37 @@ static int read_checkpoint(const char *path, ckpt_header *h, float **payload, ch
     *payload = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) {
-        snprintf(msg, 256, "%s", strerror(errno));
+        snprintf(msg, CKPT_MSG_MAX, "%s", strerror(errno));
         return -1;
     }
     struct stat sb;
     int rc = -1;
     if (fstat(fileno(f), &sb) != 0 || fread(h, sizeof(*h), 1, f) != 1) {
-        snprintf(msg, 256, "shorter than a header (torn write?)");
+        snprintf(msg, CKPT_MSG_MAX, "shorter than a header (torn write?)");
         goto out;
     }
     if (memcmp(h->magic, CKPT_MAGIC, 8) != 0 || h->version != CKPT_VERSION ||
         h->header_bytes != sizeof(*h)) {
-        snprintf(msg, 256, "not a version %d checkpoint", CKPT_VERSION);
+        snprintf(msg, CKPT_MSG_MAX, "not a version %d checkpoint", CKPT_VERSION);
         goto out;
     }
     if (h->payload_bytes != (h->nparams + h->nopt) * sizeof(float) ||
         (uint64_t)sb.st_size != sizeof(*h) + h->payload_bytes) {
-        snprintf(msg, 256, "%lld bytes, header promises %llu (torn write?)", (long long)sb.st_size,
-                 (unsigned long long)(sizeof(*h) + h->payload_bytes));
+        snprintf(msg, CKPT_MSG_MAX, "%lld bytes, header promises %llu (torn write?)",
+                 (long long)sb.st_size, (unsigned long long)(sizeof(*h) + h->payload_bytes));
         goto out;
     }
     *payload = malloc(h->payload_bytes ? h->payload_bytes : 1);
     if (!*payload) {
-        snprintf(msg, 256, "out of memory");
+        snprintf(msg, CKPT_MSG_MAX, "out of memory");
         goto out;
     }
     if (h->payload_bytes && fread(*payload, h->payload_bytes, 1, f) != 1) {
-        snprintf(msg, 256, "read failed");
+        snprintf(msg, CKPT_MSG_MAX, "read failed");
         goto out;
     }
     if (header_crc(h, *payload, *payload + h->nparams) != h->crc) {
-        snprintf(msg, 256, "checksum mismatch (corrupt)");
+        snprintf(msg, CKPT_MSG_MAX, "checksum mismatch (corrupt)");
         goto out;
     }
     rc = 0;
@@ -283,49 +288,63 @@ int ckpt_verify(const char *path, char *msg)
     return 0;
 }
 
+/* Loads one file into *st, params and opt if it reads back whole and
+ * matches want; else -1 and why (CKPT_MSG_MAX bytes). */
+static int load_one(const char *path, const ckpt_state *want, ckpt_state *st, float *params,
+                    size_t nparams, float *opt, size_t nopt, char *why)
+{
+    ckpt_header h;
+    float *payload;
+    char reason[CKPT_MSG_MAX];
+    if (read_checkpoint(path, &h, &payload, reason) != 0) {
+        snprintf(why, CKPT_MSG_MAX, "unusable: %.200s", reason);
+        return -1;
+    }
+    if (memcmp(&h.st.cfg, &want->cfg, sizeof(want->cfg)) != 0 ||
+        h.st.optim_kind != want->optim_kind || h.nparams != nparams || h.nopt != nopt) {
+        snprintf(why, CKPT_MSG_MAX, "is for another model or optimizer");
+        free(payload);
+        return -1;
+    }
+    *st = h.st;
+    memcpy(params, payload, nparams * sizeof(float));
+    memcpy(opt, payload + nparams, nopt * sizeof(float));
+    free(payload);
+    return 0;
+}
+
 ckpt_err ckpt_load(const char *dir, const ckpt_state *want, ckpt_state *st, float *params,
                    size_t nparams, float *opt, size_t nopt, char *path, char *msg)
 {
     ckpt_file *files;
     int n = list_checkpoints(dir, &files);
     if (n < 0) {
-        snprintf(msg, 256, "cannot read %.160s: %s", dir, strerror(errno));
+        snprintf(msg, CKPT_MSG_MAX, "cannot read %.160s: %s", dir, strerror(errno));
         return CKPT_ERR_DIR;
     }
     if (n == 0) {
-        snprintf(msg, 256, "no checkpoint in %.160s", dir);
+        snprintf(msg, CKPT_MSG_MAX, "no checkpoint in %.160s", dir);
         return CKPT_ERR_NONE;
     }
-    ckpt_err err = CKPT_ERR_INVALID;
-    char full[4096], why[256];
-    for (int i = 0; i < n; i++) {
-        ckpt_header h;
-        float *payload;
+    /* Newest first: the first file that loads wins; the newest one skipped
+     * is named in msg for the caller to warn about. */
+    char full[CKPT_PATH_MAX], why[CKPT_MSG_MAX], newest[CKPT_MSG_MAX] = "";
+    int i;
+    for (i = 0; i < n; i++) {
         snprintf(full, sizeof(full), "%s/%s", dir, files[i].name);
-        if (read_checkpoint(full, &h, &payload, why) != 0) {
-            fprintf(stderr, "ductile-train: checkpoint %s unusable: %s; trying an older one\n",
-                    full, why);
-            continue;
-        }
-        if (memcmp(&h.st.cfg, &want->cfg, sizeof(want->cfg)) != 0 ||
-            h.st.optim_kind != want->optim_kind || h.nparams != nparams || h.nopt != nopt) {
-            fprintf(stderr,
-                    "ductile-train: checkpoint %s is for another model or optimizer; "
-                    "trying an older one\n",
-                    full);
-            free(payload);
-            continue;
-        }
-        *st = h.st;
-        memcpy(params, payload, nparams * sizeof(float));
-        memcpy(opt, payload + nparams, nopt * sizeof(float));
-        free(payload);
-        if (path) snprintf(path, 4096, "%s", full);
-        err = CKPT_OK;
-        break;
+        if (load_one(full, want, st, params, nparams, opt, nopt, why) == 0) break;
+        if (i == 0) snprintf(newest, sizeof(newest), "%.40s %.200s", files[i].name, why);
     }
+    ckpt_err err = i < n ? CKPT_OK : CKPT_ERR_INVALID;
+    if (err == CKPT_OK && path) snprintf(path, CKPT_PATH_MAX, "%s", full);
     if (err != CKPT_OK)
-        snprintf(msg, 256, "none of the %d checkpoints in %.160s is usable", n, dir);
+        snprintf(msg, CKPT_MSG_MAX, "none of the %d checkpoints in %.60s is usable (newest: %.78s)",
+                 n, dir, newest);
+    else if (i > 0)
+        snprintf(msg, CKPT_MSG_MAX, "%d newer checkpoint%s skipped (newest: %.140s)", i,
+                 i > 1 ? "s" : "", newest);
+    else
+        msg[0] = '\0';
     free(files);
     return err;
 }

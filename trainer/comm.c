@@ -68,6 +68,20 @@ comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
     return err;
 }
 
+/* A failed init frees its comm, so the reason goes to the caller's cfg->msg.
+ * A caller that gives none still gets the line on stderr it always got
+ * (tests read it): transitional, until trainer/main.c and elastic.c pass a
+ * msg and log it themselves; then this fallback goes. */
+comm_err comm_init_failed(const comm_config *cfg, comm_err err, const char *why)
+{
+    int known = why && why[0];
+    if (cfg && cfg->msg)
+        snprintf(cfg->msg, COMM_MSG_MAX, "%s", known ? why : comm_strerror(err));
+    else if (known)
+        fprintf(stderr, "comm: %s\n", why);
+    return err;
+}
+
 int comm_is_aborted(const comm *c)
 {
     return atomic_load(&((comm *)c)->aborted);

@@ -30,7 +30,7 @@ struct comm {
     int world_size;
     atomic_int aborted; /* set by comm_abort() from any thread */
     comm_err dead;      /* first error; every later call returns it */
-    char last_error[256];
+    char last_error[COMM_MSG_MAX];
 };
 
 /* Fills the shared part of a new comm. */
@@ -39,6 +39,10 @@ void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size);
 /* Records a one-line error (printf-style) and returns err; the first one wins. */
 comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Ends a failed init whose reason is why (NULL or "" when none was
+ * recorded): says it in cfg->msg and returns err. */
+comm_err comm_init_failed(const comm_config *cfg, comm_err err, const char *why);
 
 /* 1 once comm_abort() was called. */
 int comm_is_aborted(const comm *c);

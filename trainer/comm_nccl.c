@@ -18,12 +18,12 @@
  * 50 us between checks, which costs a core's sliver while waiting.
  */
 #include "comm_impl.h"
+#include "ductile/clock.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -40,13 +40,6 @@ typedef struct nccl_comm {
     int timeout_ms;
     int broken; /* aborted or failed: destroy must abort, not finalize */
 } nccl_comm;
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static void pause_briefly(void)
 {
@@ -92,7 +85,7 @@ static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline)
         if (st != ncclInProgress)
             return nccl_fail(g, st == ncclRemoteError ? COMM_ERR_PEER : COMM_ERR_NCCL, what, st);
         if (comm_is_aborted(&g->base)) return nccl_fail(g, COMM_ERR_ABORTED, what, ncclInProgress);
-        if (now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclInProgress);
+        if (mono_now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclInProgress);
         pause_briefly();
     }
 }
@@ -100,7 +93,7 @@ static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline)
 /* After enqueuing a collective: its call's result, then the stream. */
 static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
 {
-    int64_t deadline = now_ms() + g->timeout_ms;
+    int64_t deadline = mono_now_ms() + g->timeout_ms;
     if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(g, COMM_ERR_NCCL, what, r);
     comm_err err = nccl_settle(g, what, deadline);
     if (err != COMM_OK) return err;
@@ -114,7 +107,7 @@ static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
         if (st != ncclSuccess && st != ncclInProgress)
             return nccl_fail(g, st == ncclRemoteError ? COMM_ERR_PEER : COMM_ERR_NCCL, what, st);
         if (comm_is_aborted(&g->base)) return nccl_fail(g, COMM_ERR_ABORTED, what, ncclSuccess);
-        if (now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclSuccess);
+        if (mono_now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclSuccess);
         pause_briefly();
     }
 }
@@ -177,10 +170,10 @@ static void nccl_destroy(comm *c)
         if (clean && ncclCommFinalize(g->nc) != ncclSuccess) clean = 0;
         if (clean) {
             /* Finalize flushes in the background; bounded like any call. */
-            int64_t deadline = now_ms() + g->timeout_ms;
+            int64_t deadline = mono_now_ms() + g->timeout_ms;
             ncclResult_t st = ncclInProgress;
             while (ncclCommGetAsyncError(g->nc, &st) == ncclSuccess && st == ncclInProgress &&
-                   now_ms() < deadline)
+                   mono_now_ms() < deadline)
                 pause_briefly();
             clean = st == ncclSuccess;
         }
@@ -258,13 +251,13 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     *out = NULL;
     if (!cfg || cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size ||
         cfg->timeout_ms < 0 || cfg->device < 0 || (cfg->world_size > 1 && !cfg->store))
-        return COMM_ERR_ARG;
+        return comm_init_failed(cfg, COMM_ERR_ARG, NULL);
     nccl_comm *g = calloc(1, sizeof(*g));
-    if (!g) return COMM_ERR_NOMEM;
+    if (!g) return comm_init_failed(cfg, COMM_ERR_NOMEM, NULL);
     comm_base_init(&g->base, &nccl_ops, cfg->rank, cfg->world_size);
     g->device = cfg->device;
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : NCCL_DEFAULT_TIMEOUT_MS;
-    int64_t deadline = now_ms() + g->timeout_ms;
+    int64_t deadline = mono_now_ms() + g->timeout_ms;
 
     comm_err err;
     cudaError_t ce = cudaSetDevice(g->device);
@@ -306,7 +299,7 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     *out = &g->base;
     return COMM_OK;
 err:
-    if (g->base.last_error[0]) fprintf(stderr, "comm: %s\n", g->base.last_error);
+    comm_init_failed(cfg, err, g->base.last_error);
     g->broken = 1;
     nccl_destroy(&g->base);
     return err;

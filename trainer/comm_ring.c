@@ -46,6 +46,7 @@
  * shut so the neighbours see a closed peer, the comm dead).
  */
 #include "comm_impl.h"
+#include "ductile/clock.h"
 #include "ductile/failpoint.h"
 
 #include <errno.h>
@@ -120,16 +121,9 @@ static const char *op_name(uint32_t op)
     return "unknown";
 }
 
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static int ms_left(int64_t deadline)
 {
-    int64_t left = deadline - now_ms();
+    int64_t left = deadline - mono_now_ms();
     if (left < 0) return 0;
     if (left > 1000000) return 1000000;
     return (int)left;
@@ -482,7 +476,7 @@ static comm_err ring_run(ring *g, const plan *p, uint32_t op, uint64_t size, uin
     x.ss = plan_send(p, 0);
     x.rs = plan_recv(p, 0, &x.reduce);
 
-    int64_t deadline = now_ms() + g->timeout_ms;
+    int64_t deadline = mono_now_ms() + g->timeout_ms;
     for (;;) {
         if (comm_is_aborted(&g->base)) return ring_fail(g, COMM_ERR_ABORTED, "aborted");
         int moved = 0;
@@ -492,7 +486,7 @@ static comm_err ring_run(ring *g, const plan *p, uint32_t op, uint64_t size, uin
         xfer_advance(&x);
         if (xfer_done(&x)) return COMM_OK;
         if (moved) {
-            deadline = now_ms() + g->timeout_ms;
+            deadline = mono_now_ms() + g->timeout_ms;
             continue; /* try again before sleeping: a receive may have unlocked a send */
         }
 
@@ -823,7 +817,7 @@ static comm_err connect_to(ring *g, const char *host, const char *port, int64_t 
             last = e;
             close(fd);
         }
-        if (now_ms() >= deadline) break;
+        if (mono_now_ms() >= deadline) break;
         struct timespec pause = {0, 50 * 1000000};
         nanosleep(&pause, NULL);
     }
@@ -853,7 +847,7 @@ static comm_err accept_left(ring *g, int lfd, uint64_t nonce, int64_t deadline, 
             return comm_fail(&g->base, COMM_ERR_SYS, "accept: %s", strerror(errno));
         }
         ring_hello h;
-        int64_t hd = now_ms() + RING_HELLO_MS;
+        int64_t hd = mono_now_ms() + RING_HELLO_MS;
         int e = io_all(fd, &h, sizeof(h), 0, hd < deadline ? hd : deadline);
         if (e == 0 && h.magic == RING_HELLO_MAGIC && h.rank == (uint32_t)left_rank(g) &&
             h.world == (uint32_t)g->base.world_size && h.nonce == nonce) {
@@ -883,7 +877,7 @@ static comm_err ring_bootstrap(ring *g, const comm_config *cfg)
                          "left neighbour (rank %d) did not connect (failpoint ring.connect)",
                          left_rank(g));
     const char *host = cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1";
-    int64_t deadline = now_ms() + g->timeout_ms;
+    int64_t deadline = mono_now_ms() + g->timeout_ms;
     int lfd = -1, port = 0;
     void *val = NULL;
     comm_err err = listen_on(g, host, &lfd, &port);
@@ -961,7 +955,7 @@ comm_err comm_ring_init(const comm_config *cfg, comm **out)
     *out = NULL;
     ring *g = NULL;
     comm_err err = ring_new(cfg, &g);
-    if (err != COMM_OK) return err;
+    if (err != COMM_OK) return comm_init_failed(cfg, err, NULL);
     if (cfg->world_size > 1) {
         if (!cfg->store) {
             err = COMM_ERR_ARG;
@@ -973,8 +967,7 @@ comm_err comm_ring_init(const comm_config *cfg, comm **out)
     *out = &g->base;
     return COMM_OK;
 err:
-    /* The reason is in g's last error; say it once, here, where it is known. */
-    if (g->base.last_error[0]) fprintf(stderr, "comm: %s\n", g->base.last_error);
+    comm_init_failed(cfg, err, g->base.last_error);
     ring_destroy(&g->base);
     return err;
 }

@@ -1,4 +1,10 @@
-/* data.c: IDX reader, shuffling and sharding (see data.h for the idea).
+/* data.c: IDX reader, shuffling and sharding.
+ *
+ * The idea (data.h says it in full): an epoch's position is one global
+ * sample counter over a permutation that depends on (seed, epoch) alone, so
+ * each rank finds its slice of a global batch by arithmetic, with no
+ * coordination, and the ranks consume every sample once whatever the world
+ * size.
  *
  * IDX files are a big-endian header (magic 0x0000080N where N is the number
  * of dimensions, then N 32-bit sizes) followed by unsigned bytes. zlib's
@@ -46,9 +52,9 @@ static data_err gz_read_all(gzFile f, void *buf, size_t len, const char *path, c
             int zerr = 0;
             const char *zmsg = gzerror(f, &zerr);
             if (zerr) /* zlib's message already names the file */
-                snprintf(msg, 256, "%.200s", zmsg);
+                snprintf(msg, DATA_MSG_MAX, "%.200s", zmsg);
             else
-                snprintf(msg, 256, "%.160s: ends early", path);
+                snprintf(msg, DATA_MSG_MAX, "%.160s: ends early", path);
             return DATA_ERR_TRUNCATED;
         }
         p += got;
@@ -78,7 +84,7 @@ static data_err read_idx(const char *dir, const char *name, int ndim, uint32_t *
     char path[4096];
     gzFile f = open_idx(dir, name, path, sizeof(path));
     if (!f) {
-        snprintf(msg, 256, "%.160s: %s", path, errno ? strerror(errno) : "cannot open");
+        snprintf(msg, DATA_MSG_MAX, "%.160s: %s", path, errno ? strerror(errno) : "cannot open");
         return DATA_ERR_OPEN;
     }
     data_err err;
@@ -86,7 +92,7 @@ static data_err read_idx(const char *dir, const char *name, int ndim, uint32_t *
     if ((err = gz_read_all(f, hdr, 4 + 4 * (size_t)ndim, path, msg)) != DATA_OK) goto out;
     uint32_t magic = be32(hdr);
     if (magic != (0x00000800u | (uint32_t)ndim)) {
-        snprintf(msg, 256, "%.160s: bad magic number 0x%08x (want 0x%08x)", path, magic,
+        snprintf(msg, DATA_MSG_MAX, "%.160s: bad magic number 0x%08x (want 0x%08x)", path, magic,
                  0x00000800u | (uint32_t)ndim);
         err = DATA_ERR_FORMAT;
         goto out;
@@ -98,7 +104,7 @@ static data_err read_idx(const char *dir, const char *name, int ndim, uint32_t *
          * a corrupt header, not a data set. */
         uint32_t limit = i == 0 ? 10000000u : 1024u;
         if (dims[i] == 0 || dims[i] > limit) {
-            snprintf(msg, 256, "%.160s: bad dimension %d = %u", path, i, dims[i]);
+            snprintf(msg, DATA_MSG_MAX, "%.160s: bad dimension %d = %u", path, i, dims[i]);
             err = DATA_ERR_FORMAT;
             goto out;
         }
@@ -106,7 +112,7 @@ static data_err read_idx(const char *dir, const char *name, int ndim, uint32_t *
     }
     *data = malloc(total);
     if (!*data) {
-        snprintf(msg, 256, "%.160s: out of memory for %zu bytes", path, total);
+        snprintf(msg, DATA_MSG_MAX, "%.160s: out of memory for %zu bytes", path, total);
         err = DATA_ERR_NOMEM;
         goto out;
     }
@@ -117,12 +123,12 @@ static data_err read_idx(const char *dir, const char *name, int ndim, uint32_t *
     int more = gzread(f, &extra, 1), zerr = 0;
     const char *zmsg = gzerror(f, &zerr);
     if (more < 0 || (zerr != Z_OK && zerr != Z_STREAM_END)) {
-        snprintf(msg, 256, "%.200s (corrupt or truncated)", zmsg);
+        snprintf(msg, DATA_MSG_MAX, "%.200s (corrupt or truncated)", zmsg);
         err = DATA_ERR_TRUNCATED;
         goto out;
     }
     if (more > 0) {
-        snprintf(msg, 256, "%.160s: more bytes than the header's %zu", path, total);
+        snprintf(msg, DATA_MSG_MAX, "%.160s: more bytes than the header's %zu", path, total);
         err = DATA_ERR_FORMAT;
         goto out;
     }
@@ -146,14 +152,15 @@ data_err data_load(const char *dir, const char *prefix, data_set *out, char *msg
     snprintf(name, sizeof(name), "%s-labels-idx1-ubyte", prefix);
     if ((err = read_idx(dir, name, 1, ldims, &out->labels, msg)) != DATA_OK) goto err;
     if (idims[0] != ldims[0]) {
-        snprintf(msg, 256, "%.120s/%.40s: %u labels for %u images", dir, name, ldims[0], idims[0]);
+        snprintf(msg, DATA_MSG_MAX, "%.120s/%.40s: %u labels for %u images", dir, name, ldims[0],
+                 idims[0]);
         err = DATA_ERR_MISMATCH;
         goto err;
     }
     for (uint32_t i = 0; i < ldims[0]; i++)
         if (out->labels[i] >= DATA_CLASSES) {
-            snprintf(msg, 256, "%.120s/%.40s: label %u of sample %u is not a class 0..9", dir, name,
-                     out->labels[i], i);
+            snprintf(msg, DATA_MSG_MAX, "%.120s/%.40s: label %u of sample %u is not a class 0..9",
+                     dir, name, out->labels[i], i);
             err = DATA_ERR_MISMATCH;
             goto err;
         }

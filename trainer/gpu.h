@@ -35,12 +35,15 @@
 
 typedef struct gpu_ctx gpu_ctx;
 
+/* The size of the msg (or why) buffer gpu_* functions fill with one line. */
+#define GPU_MSG_MAX 256
+
 #if DUCTILE_HAVE_CUDA
 
-/* CUDA devices present; 0 with the reason in why (256 bytes) when none. */
+/* CUDA devices present; 0 with the reason in why (GPU_MSG_MAX bytes) when none. */
 int gpu_device_count(char *why);
 
-/* Moves m onto device `device`; 0, or -1 with one line in msg (256 bytes). */
+/* Moves m onto device `device`; 0, or -1 with one line in msg (GPU_MSG_MAX bytes). */
 int gpu_attach(model *m, int device, char *msg);
 /* Back to host pointers (device contents are not copied back) and frees. */
 void gpu_detach(model *m);
@@ -64,7 +67,7 @@ void gpu_fill(model *m, float *p, size_t n, float v);
 void gpu_scale(model *m, float *p, size_t n, float a);
 float gpu_read(model *m, const float *p); /* waits for the compute stream */
 /* Event `slot` (< MODEL_MAX_PARAMS) after the work queued so far; and, from
- * any thread, wait for it: 0, or -1 with one line in msg (256 bytes). */
+ * any thread, wait for it: 0, or -1 with one line in msg (GPU_MSG_MAX bytes). */
 void gpu_mark(model *m, int slot);
 int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg);
 /* Collectives on host buffers, staged through device memory for NCCL. */
@@ -98,13 +101,13 @@ void gpu_conv_backward(gpu_ctx *g, float *din, float *dw, float *db, const float
 
 static inline int gpu_device_count(char *why)
 {
-    if (why) snprintf(why, 256, "ductile was built without CUDA");
+    if (why) snprintf(why, GPU_MSG_MAX, "ductile was built without CUDA");
     return 0;
 }
 static inline int gpu_attach(model *m, int device, char *msg)
 {
     (void)m, (void)device;
-    snprintf(msg, 256, "ductile was built without CUDA");
+    snprintf(msg, GPU_MSG_MAX, "ductile was built without CUDA");
     return -1;
 }
 static inline void gpu_detach(model *m)

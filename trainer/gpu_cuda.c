@@ -20,6 +20,7 @@
  * CUDA graphs of the whole step would remove the launch cost.
  */
 #include "gpu.h"
+#include "ductile/clock.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -37,7 +38,7 @@ struct gpu_ctx {
     cudaStream_t compute, copy;
     cublasHandle_t blas;
     int failed; /* sticky: the first error, kept in err */
-    char err[256];
+    char err[GPU_MSG_MAX];
 
     /* the model mirror (gpu_attach) */
     model *m;
@@ -104,11 +105,12 @@ int gpu_device_count(char *why)
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
         if (why)
-            snprintf(why, 256, "no CUDA device (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+            snprintf(why, GPU_MSG_MAX, "no CUDA device (cudaGetDeviceCount: %s)",
+                     cudaGetErrorString(e));
         cudaGetLastError(); /* not sticky: clear it */
         return 0;
     }
-    if (n == 0 && why) snprintf(why, 256, "no CUDA device (cudaGetDeviceCount: 0 devices)");
+    if (n == 0 && why) snprintf(why, GPU_MSG_MAX, "no CUDA device (cudaGetDeviceCount: 0 devices)");
     return n;
 }
 
@@ -116,7 +118,7 @@ gpu_ctx *gpu_ctx_create(int device, char *msg)
 {
     gpu_ctx *g = calloc(1, sizeof(*g));
     if (!g) {
-        snprintf(msg, 256, "out of memory");
+        snprintf(msg, GPU_MSG_MAX, "out of memory");
         return NULL;
     }
     g->device = device;
@@ -135,7 +137,7 @@ gpu_ctx *gpu_ctx_create(int device, char *msg)
         goto err;
     return g;
 err:
-    snprintf(msg, 256, "device %d: %.200s", device, g->err);
+    snprintf(msg, GPU_MSG_MAX, "device %d: %.200s", device, g->err);
     gpu_ctx_free(g);
     return NULL;
 }
@@ -196,7 +198,7 @@ kern_stream gpu_stream(gpu_ctx *g)
 int gpu_sync(gpu_ctx *g, char *msg)
 {
     cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
-    if (g->failed && msg) snprintf(msg, 256, "%s", g->err);
+    if (g->failed && msg) snprintf(msg, GPU_MSG_MAX, "%s", g->err);
     return g->failed ? -1 : 0;
 }
 
@@ -340,7 +342,7 @@ static int alloc_mirror(gpu_ctx *g, model *m)
 int gpu_attach(model *m, int device, char *msg)
 {
     if (m->dev) {
-        snprintf(msg, 256, "model already on a device");
+        snprintf(msg, GPU_MSG_MAX, "model already on a device");
         return -1;
     }
     gpu_ctx *g = gpu_ctx_create(device, msg);
@@ -351,7 +353,7 @@ int gpu_attach(model *m, int device, char *msg)
                                  cudaMemcpyHostToDevice, g->compute),
                  "uploading parameters") ||
         gpu_sync(g, NULL) != 0) {
-        snprintf(msg, 256, "device %d: %.200s", device, g->err);
+        snprintf(msg, GPU_MSG_MAX, "device %d: %.200s", device, g->err);
         gpu_ctx_free(g);
         return -1;
     }
@@ -639,32 +641,26 @@ void gpu_mark(model *m, int slot)
     cuda_ok(g, cudaEventRecord(g->marks[slot], g->compute), "bucket event");
 }
 
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Polled, so a wedged device turns into an error, never a hang. */
 int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg)
 {
     gpu_ctx *g = m->dev;
-    int64_t deadline = now_ms() + timeout_ms;
+    int64_t deadline = mono_now_ms() + timeout_ms;
     cudaError_t e = cudaSetDevice(g->device);
     while (e == cudaSuccess) {
         e = cudaEventQuery(g->marks[slot]);
         if (e == cudaSuccess) return 0;
         if (e != cudaErrorNotReady) break;
-        if (now_ms() >= deadline) {
-            snprintf(msg, 256, "gradients of bucket %d not written after %d ms", slot, timeout_ms);
+        if (mono_now_ms() >= deadline) {
+            snprintf(msg, GPU_MSG_MAX, "gradients of bucket %d not written after %d ms", slot,
+                     timeout_ms);
             return -1;
         }
         struct timespec ts = {0, 20000};
         nanosleep(&ts, NULL);
         e = cudaSuccess;
     }
-    snprintf(msg, 256, "waiting for bucket %d: %s", slot, cudaGetErrorString(e));
+    snprintf(msg, GPU_MSG_MAX, "waiting for bucket %d: %s", slot, cudaGetErrorString(e));
     return -1;
 }
 

@@ -4,14 +4,10 @@
  * file stands in for them otherwise, so callers link either way and get a
  * clear "built without CUDA" error at run time instead of a link error.
  */
-#include "ductile/comm.h"
-
-#include <stdio.h>
+#include "comm_impl.h"
 
 comm_err comm_nccl_init(const comm_config *cfg, comm **out)
 {
-    (void)cfg;
     if (out) *out = NULL;
-    fprintf(stderr, "comm: NCCL requested but ductile was built without CUDA\n");
-    return COMM_ERR_ARG;
+    return comm_init_failed(cfg, COMM_ERR_ARG, "NCCL requested but ductile was built without CUDA");
 }

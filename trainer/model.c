@@ -70,28 +70,28 @@ static void add_conv_block(model *m, int *c, int *h, int *w, int oc, int k, int 
 static int check_config(const model_config *cfg, char *msg)
 {
     if (cfg->kind != MODEL_MLP && cfg->kind != MODEL_CNN) {
-        snprintf(msg, 256, "unknown model kind %d", cfg->kind);
+        snprintf(msg, MODEL_MSG_MAX, "unknown model kind %d", cfg->kind);
         return -1;
     }
     if (cfg->in_c < 1 || cfg->in_h < 1 || cfg->in_w < 1 || cfg->classes < 2 || cfg->nhidden < 0 ||
         cfg->nhidden > MODEL_MAX_HIDDEN) {
-        snprintf(msg, 256, "bad model shape");
+        snprintf(msg, MODEL_MSG_MAX, "bad model shape");
         return -1;
     }
     for (int i = 0; i < cfg->nhidden; i++)
         if (cfg->hidden[i] < 1 || cfg->hidden[i] > 65536) {
-            snprintf(msg, 256, "hidden size %d out of range 1..65536", cfg->hidden[i]);
+            snprintf(msg, MODEL_MSG_MAX, "hidden size %d out of range 1..65536", cfg->hidden[i]);
             return -1;
         }
     if (cfg->kind == MODEL_CNN) {
         if (cfg->in_h % 4 || cfg->in_w % 4) {
-            snprintf(msg, 256, "cnn needs image sides divisible by 4 (got %dx%d)", cfg->in_h,
-                     cfg->in_w);
+            snprintf(msg, MODEL_MSG_MAX, "cnn needs image sides divisible by 4 (got %dx%d)",
+                     cfg->in_h, cfg->in_w);
             return -1;
         }
         if (cfg->kernel < 1 || cfg->kernel > 9 || cfg->kernel % 2 == 0 || cfg->conv[0] < 1 ||
             cfg->conv[0] > 1024 || cfg->conv[1] < 1 || cfg->conv[1] > 1024) {
-            snprintf(msg, 256, "bad conv settings (odd kernel 1..9, channels 1..1024)");
+            snprintf(msg, MODEL_MSG_MAX, "bad conv settings (odd kernel 1..9, channels 1..1024)");
             return -1;
         }
     }
@@ -149,7 +149,7 @@ int model_create(const model_config *cfg, int max_batch, model **out, char *msg)
     *out = m;
     return 0;
 nomem:
-    snprintf(msg, 256, "out of memory building the model");
+    snprintf(msg, MODEL_MSG_MAX, "out of memory building the model");
     model_free(m);
     return -1;
 }

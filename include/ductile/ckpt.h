@@ -28,6 +28,11 @@ typedef enum {
 
 const char *ckpt_strerror(ckpt_err err);
 
+/* The size of the msg buffer ckpt_* functions fill with a one-line reason. */
+#define CKPT_MSG_MAX 256
+/* The size of the path buffer ckpt_save and ckpt_load fill with the file's path. */
+#define CKPT_PATH_MAX 4096
+
 /* Everything but the float arrays. */
 typedef struct ckpt_state {
     int64_t round;   /* the round it was made in */
@@ -45,18 +50,22 @@ typedef struct ckpt_state {
 
 /* Writes state, params[nparams] and opt[nopt] as the checkpoint for
  * (st->round, st->step), then deletes every other checkpoint but the newest
- * good one. *path (may be NULL, 4096 bytes) receives the file written; msg
- * (256 bytes) one line on failure. */
+ * good one. path (may be NULL, CKPT_PATH_MAX bytes) receives the file
+ * written; msg (CKPT_MSG_MAX bytes) one line on failure. */
 ckpt_err ckpt_save(const char *dir, const ckpt_state *st, const float *params, size_t nparams,
                    const float *opt, size_t nopt, char *path, char *msg);
 
 /* Loads the newest usable checkpoint whose model, optimizer and sizes match
- * `want` (cfg, optim_kind, optim_nstate) into *st, params and opt. Each
- * unusable file costs one warning line on stderr. */
+ * `want` (cfg, optim_kind, optim_nstate) into *st, params and opt; path (may
+ * be NULL, CKPT_PATH_MAX bytes) receives the file loaded. msg (CKPT_MSG_MAX
+ * bytes) receives the reason on failure; on success it is "" or, when newer
+ * files were unusable and skipped, a note naming the newest of them, for the
+ * caller to warn about. */
 ckpt_err ckpt_load(const char *dir, const ckpt_state *want, ckpt_state *st, float *params,
                    size_t nparams, float *opt, size_t nopt, char *path, char *msg);
 
-/* 0 when the file is a whole, uncorrupted checkpoint; else -1 and a reason. */
+/* 0 when the file is a whole, uncorrupted checkpoint; else -1 and a reason
+ * in msg (CKPT_MSG_MAX bytes). */
 int ckpt_verify(const char *path, char *msg);
 
 #endif

@@ -31,6 +31,9 @@ typedef enum {
 
 const char *comm_strerror(comm_err err);
 
+/* The size of the one-line reason a comm keeps (comm_last_error). */
+#define COMM_MSG_MAX 256
+
 /* 1 when err says a peer went away, not that this process failed: a closed
  * connection (PEER), a silent peer (TIMEOUT), an abort (the group was
  * dropped because a peer was lost) or the round store refusing the round
@@ -47,13 +50,16 @@ typedef struct comm_config {
     int timeout_ms;     /* deadline for a silent peer (default 30000) */
     size_t chunk_bytes; /* ring pipeline chunk (default 256 KiB) */
     int device;         /* NCCL: CUDA device ordinal */
+    char *msg;          /* optional, COMM_MSG_MAX bytes: why an init failed */
 } comm_config;
 
 typedef struct comm comm;
 
-/* CPU: TCP ring. */
+/* CPU: TCP ring. On failure *out is NULL and cfg->msg, when set, says why
+ * in one line. */
 comm_err comm_ring_init(const comm_config *cfg, comm **out);
-/* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). */
+/* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). Fails as
+ * comm_ring_init does. */
 comm_err comm_nccl_init(const comm_config *cfg, comm **out);
 
 int comm_rank(const comm *c);

@@ -25,6 +25,9 @@ typedef enum {
 
 const char *data_strerror(data_err err);
 
+/* The size of the msg buffer data_load fills with a one-line reason. */
+#define DATA_MSG_MAX 256
+
 #define DATA_CLASSES 10
 
 typedef struct data_set {
@@ -36,7 +39,7 @@ typedef struct data_set {
 
 /* Loads DIR/<prefix>-images-idx3-ubyte.gz and DIR/<prefix>-labels-idx1-ubyte.gz
  * (prefix "train" or "t10k"; the uncompressed names are tried when the .gz
- * ones are absent). msg (256 bytes) receives one line naming the file. */
+ * ones are absent). msg (DATA_MSG_MAX bytes) receives one line naming the file. */
 data_err data_load(const char *dir, const char *prefix, data_set *out, char *msg);
 void data_free(data_set *d);
 

@@ -70,7 +70,10 @@ typedef struct model {
     struct gpu_ctx *dev; /* on a CUDA device (gpu.h) when set; NULL on the CPU */
 } model;
 
-/* Returns 0, or -1 with a one-line reason in msg (256 bytes). */
+/* The size of the msg buffer model_create fills with a one-line reason. */
+#define MODEL_MSG_MAX 256
+
+/* Returns 0, or -1 with a one-line reason in msg (MODEL_MSG_MAX bytes). */
 int model_create(const model_config *cfg, int max_batch, model **out, char *msg);
 void model_free(model *m);
 /* "mlp 784-256-128-10", "cnn 1x28x28 c16-c32 fc128-10" */
