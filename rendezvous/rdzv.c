@@ -269,7 +269,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     snprintf(r->node, sizeof(r->node), "%s", r->cfg.node_id);
     /* A bad DUCTILE_LOG_LEVEL is the agent's to report; here it only means
      * no debug traces. */
-    char why[128];
+    char why[RDZV_MSG_MAX];
     dlog_init(&r->log, "rdzv", r->node, 1, why, sizeof(why));
     const char *dbg = getenv("DUCTILE_RDZV_DEBUG");
     if (dbg && *dbg && strcmp(dbg, "0") != 0) r->log.level = DLOG_DEBUG;
