@@ -1,4 +1,5 @@
-/* rdzv_internal.h: private to rdzv.c, store.c, status.c and record.c.
+/* rdzv_internal.h: private to the rendezvous library (rendezvous/rdzv*.c,
+ * record.c, store.c, status.c).
  *
  * The key layout under /ductile/<job>/ and the round record, the one JSON
  * value (`round`) that every agent watches. Keeping both in one place means
@@ -18,8 +19,10 @@
 #define DUCTILE_RDZV_INTERNAL_H
 
 #include "ductile/etcd.h"
+#include "ductile/log.h"
 #include "ductile/rdzv.h"
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,14 +52,13 @@ typedef struct rdzv_record {
     uint64_t peer_lost_of;    /* members hash of the round that ended by a lost peer */
     char job[16];             /* running, done, failed */
     char cause[32];           /* why the previous round ended (rdzv_cause_name) */
-    char cause_node[129];
+    char cause_node[RDZV_NODE_ID_MAX + 1];
     char reason[RDZV_MSG_MAX];
 } rdzv_record;
 
 /* "/ductile/<job>/" + suffix; returns 0, or -1 when it does not fit. */
 int rdzv_key(char *buf, size_t len, const char *job, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-
 
 /* JSON <-> record. parse returns RDZV_ERR_PROTOCOL on anything malformed. */
 char *rdzv_record_json(const rdzv_record *rec);
@@ -80,6 +82,108 @@ rdzv_cause rdzv_cause_from_name(const char *name);
 rdzv_err rdzv_etcd_connect(const rdzv_etcd *cfg, etcd_client **out, char *msg);
 rdzv_err rdzv_from_etcd(etcd_err err);
 
-int64_t rdzv_now_ms(void);
+/* ---- the handle (rdzv.c, rdzv_driver.c, rdzv_watch.c, rdzv_report.c) ----
+ *
+ * Three kinds of thread share a handle: the caller's (rdzv_open, report,
+ * finish, leave: under api_mu), the driver's (the protocol steps: it alone
+ * touches the driver-only state), and the helpers that wake it (watches and
+ * the keep-alive: they post to the driver's inbox under mu). */
+
+/* What woke the driver: the dirty bits of its inbox. */
+enum {
+    RDZV_TAG_ROUND = 1,
+    RDZV_TAG_NODES = 2,
+    RDZV_TAG_WAITING = 4,
+    RDZV_TAG_JOIN = 8,
+    RDZV_TAG_RESYNC = 16,
+};
+
+typedef struct rdzv_watcher rdzv_watcher; /* rdzv_watch.c */
+typedef struct rdzv_ev_node rdzv_ev_node; /* rdzv.c */
+
+struct rdzv {
+    /* configuration, deep-copied */
+    rdzv_config cfg;
+    rdzv_etcd etcd;
+    char *strs[9];
+    char node[RDZV_NODE_ID_MAX + 1];
+    dlog log; /* debug traces of the protocol steps (tag "rdzv", this node) */
+
+    etcd_client *api; /* calls made from the caller's thread */
+    pthread_mutex_t api_mu;
+    int64_t lease;
+    int closed;
+
+    /* events to the caller */
+    pthread_mutex_t ev_mu;
+    rdzv_ev_node *ev_head, *ev_tail;
+    int efd;
+
+    /* the driver's inbox and what the caller's thread may read */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int stop;
+    unsigned dirty;
+    int lease_lost;
+    int64_t member_round; /* the last round this node was frozen into */
+    char *round_cache;    /* the round record as the last watch event had it */
+    size_t round_cache_len;
+    int64_t round_cache_mod;
+    double seconds_in_rdzv;
+    int64_t seek_start_ms;
+
+    pthread_t driver, keepalive;
+    int driver_started, keepalive_started;
+    etcd_client *dc, *kac;
+    rdzv_watcher *w_round, *w_nodes, *w_waiting, *w_join, *retired;
+
+    /* driver-only state */
+    int64_t in_round;     /* frozen round this node is in, not yet ended */
+    int64_t reported;     /* newest round reported FROZEN: never again, nor older */
+    int64_t spare_round;  /* round for which SPARE was reported */
+    int waiting_written;  /* waiting/<node> exists */
+    int64_t deadline_ms;  /* join deadline, 0 when none runs */
+    int64_t last_call_at; /* freeze timer, 0 when none */
+    int64_t retry_at;     /* retry timer after an etcd error, 0 when none */
+    int64_t backoff_ms;
+    int terminal;
+    int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
+    char join_target[RDZV_KEY_MAX + 2];
+};
+
+/* rdzv.c: events to the caller. rdzv_emit takes ev's round. */
+void rdzv_emit(rdzv *r, rdzv_event *ev);
+void rdzv_emit_simple(rdzv *r, rdzv_event_type type, rdzv_err err, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* rdzv_driver.c: the driver thread, and the reads and writes of the job's
+ * keys that the caller's thread shares with it. */
+void *rdzv_driver_main(void *arg);
+rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod, int *have);
+rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
+                         int bump_epoch, const char *state_json, int *won);
+char *rdzv_state_json(const char *state, const char *reason);
+/* Creates key (nodes/<node>, or a round's joined/<node>) holding this
+ * node's {addr, lws} under its lease: create-only, and only while guard
+ * (may be NULL) holds; also (may be NULL) is one more op of the same txn.
+ * *won and *revision (each may be NULL) say whether it was created, and at
+ * which revision. */
+rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
+                            const etcd_op *also, int *won, int64_t *revision);
+
+/* rdzv_watch.c: what wakes the driver. */
+/* Waits on r->cv until until_ms (0: forever) or stop; returns 1 on stop.
+ * Called with r->mu held. */
+int rdzv_wait_until(rdzv *r, int64_t until_ms);
+void *rdzv_keepalive_main(void *arg);
+/* Watches `round` from start_rev; RDZV_ERR_NOMEM when no thread starts. */
+rdzv_err rdzv_watch_round(rdzv *r, int64_t start_rev);
+void rdzv_start_member_watches(rdzv *r, int64_t from);
+void rdzv_set_join_watch(rdzv *r, const char *key, int prefix, int64_t start_rev);
+/* Stops every watch thread and waits for it (the handle is closing). */
+void rdzv_watchers_join(rdzv *r);
+/* Takes the round record the last `round` event carried; 1 when *rec is
+ * filled. */
+int rdzv_take_cached_round(rdzv *r, rdzv_record *rec, int64_t *mod);
 
 #endif

@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 int rdzv_key(char *buf, size_t len, const char *job, const char *fmt, ...)
 {
@@ -142,13 +141,6 @@ rdzv_err rdzv_etcd_connect(const rdzv_etcd *cfg, etcd_client **out, char *msg)
         return e == ETCD_ERR_NOMEM ? RDZV_ERR_NOMEM : RDZV_ERR_ARG;
     }
     return RDZV_OK;
-}
-
-int64_t rdzv_now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* ---- the round record ---- */

@@ -11,6 +11,8 @@
  */
 #include "rdzv_internal.h"
 
+#include "ductile/clock.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -190,7 +192,7 @@ static void *guard_run(void *arg)
     epoch_guard *g = arg;
     int state = GUARD_WATCHING;
     while (state == GUARD_WATCHING && !atomic_load(&g->stop)) {
-        int64_t left = g->deadline - rdzv_now_ms();
+        int64_t left = g->deadline - mono_now_ms();
         if (left <= 0) break; /* the wait times out by itself */
         etcd_event *evs = NULL;
         size_t n = 0;
@@ -219,7 +221,7 @@ rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **
     if (!s || !value || timeout_ms < 0) return RDZV_ERR_ARG;
     char k[RDZV_KEY_MAX];
     if (store_key(s, k, sizeof(k), key) != 0) return fail(s, RDZV_ERR_ARG, "bad store key");
-    int64_t deadline = rdzv_now_ms() + timeout_ms;
+    int64_t deadline = mono_now_ms() + timeout_ms;
     /* the key and the epoch at one revision, and both watched from the next:
      * nothing is missed between the read and the watches */
     etcd_op reads[2] = {{.type = ETCD_OP_RANGE, .key = k},
@@ -255,7 +257,7 @@ rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **
     }
     err = RDZV_ERR_TIMEOUT;
     for (;;) {
-        int64_t left = deadline - rdzv_now_ms();
+        int64_t left = deadline - mono_now_ms();
         if (left <= 0) break;
         etcd_event *evs = NULL;
         size_t n = 0;
@@ -296,7 +298,7 @@ rdzv_err rdzv_store_add(rdzv_store *s, const char *key, int64_t delta, int64_t *
     char k[RDZV_KEY_MAX];
     if (store_key(s, k, sizeof(k), key) != 0) return fail(s, RDZV_ERR_ARG, "bad store key");
     int timeout = s->etcd.timeout_ms ? s->etcd.timeout_ms : 5000;
-    int64_t deadline = rdzv_now_ms() + timeout;
+    int64_t deadline = mono_now_ms() + timeout;
     /* Compare-and-swap on the counter's mod_revision (0: absent). The
      * failure branch reads the epoch and the counter back, so a retry costs
      * one round trip, not two. */
@@ -338,7 +340,7 @@ rdzv_err rdzv_store_add(rdzv_store *s, const char *key, int64_t delta, int64_t *
         }
         etcd_txn_result_free(&res);
         if (err != RDZV_OK) return err;
-        if (rdzv_now_ms() > deadline)
+        if (mono_now_ms() > deadline)
             return fail(s, RDZV_ERR_TIMEOUT, "store add on %s: too much contention", key);
     }
 }
@@ -353,12 +355,12 @@ rdzv_err rdzv_store_barrier(rdzv_store *s, const char *name, int count, int time
     if (snprintf(counter, sizeof(counter), "barrier/%s/count", name) >= (int)sizeof(counter) ||
         snprintf(open, sizeof(open), "barrier/%s/open", name) >= (int)sizeof(open))
         return fail(s, RDZV_ERR_ARG, "barrier name too long");
-    int64_t deadline = rdzv_now_ms() + timeout_ms;
+    int64_t deadline = mono_now_ms() + timeout_ms;
     int64_t n = 0;
     rdzv_err err = rdzv_store_add(s, counter, 1, &n);
     if (err != RDZV_OK) return err;
     if (n == count) return rdzv_store_set(s, open, "1", 1);
-    int64_t left = deadline - rdzv_now_ms();
+    int64_t left = deadline - mono_now_ms();
     void *v = NULL;
     size_t len = 0;
     err = rdzv_store_wait(s, open, left > 0 ? (int)left : 0, &v, &len);

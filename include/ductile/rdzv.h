@@ -12,8 +12,9 @@
  * The round store (rdzv_store_*) is separate and light so that trainer
  * processes can use it with just the etcd endpoints, the job and the round.
  *
- * DUCTILE_RDZV_DEBUG=1 in the environment logs each protocol step (join,
- * freeze, new round, retries) to stderr; the library is silent otherwise.
+ * DUCTILE_RDZV_DEBUG=1 (or DUCTILE_LOG_LEVEL=debug) in the environment logs
+ * each protocol step (join, freeze, new round, retries) to stderr through
+ * the shared logger (log.h, tag "rdzv"); the library is silent otherwise.
  */
 #ifndef DUCTILE_RDZV_H
 #define DUCTILE_RDZV_H
@@ -130,12 +131,12 @@ typedef enum {
 
 typedef struct rdzv_event {
     rdzv_event_type type;
-    rdzv_round round;     /* FROZEN: the new round (caller frees with rdzv_event_free) */
-    int64_t round_number; /* ROUND_ENDED: the round that ended */
-    rdzv_cause cause;     /* ROUND_ENDED */
-    char node[129];       /* ROUND_ENDED: the node that caused it, if known */
-    char reason[RDZV_MSG_MAX]; /* ROUND_ENDED, JOB_FAILED, ERROR: one human-readable line */
-    rdzv_err err;         /* ERROR */
+    rdzv_round round;                /* FROZEN: the new round (caller frees with rdzv_event_free) */
+    int64_t round_number;            /* ROUND_ENDED: the round that ended */
+    rdzv_cause cause;                /* ROUND_ENDED */
+    char node[RDZV_NODE_ID_MAX + 1]; /* ROUND_ENDED: the node that caused it, if known */
+    char reason[RDZV_MSG_MAX];       /* ROUND_ENDED, JOB_FAILED, ERROR: one human-readable line */
+    rdzv_err err;                    /* ERROR */
 } rdzv_event;
 
 void rdzv_event_free(rdzv_event *ev);
@@ -216,7 +217,7 @@ typedef struct rdzv_status {
     char **waiting;
     int64_t restarts;
     int max_restarts;
-    char job_state[16]; /* "running", "done", "failed" or "none" */
+    char job_state[16];        /* "running", "done", "failed" or "none" */
     char reason[RDZV_MSG_MAX]; /* why it failed, if it did */
 } rdzv_status;
 

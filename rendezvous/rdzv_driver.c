@@ -1,0 +1,630 @@
+/* rdzv_driver.c: the rendezvous protocol's driver (docs/design.md, "Rounds").
+ *
+ * One driver thread per handle is level-triggered: whatever woke it (a
+ * watch event, the last-call timer, a retry), it reads one consistent
+ * snapshot of the job (the round record, then in one txn guarded by the
+ * record's mod_revision: node keys, waiting keys, the round's joins and
+ * leave markers) and takes the one step that snapshot calls for: join,
+ * freeze, open the next round, or report what happened. Every write is a
+ * txn guarded by the record's mod_revision, so two agents acting on the same
+ * snapshot cannot both win; the loser simply reads again. Because each step
+ * starts from etcd's state rather than from the events, a lost event or an
+ * etcd restart costs a re-read, never a wrong belief.
+ *
+ * The reads and writes of the round record here are shared with the
+ * caller's thread (rdzv.c, rdzv_report.c), which makes the same guarded
+ * writes on its own connection.
+ */
+#include "rdzv_internal.h"
+
+#include "ductile/clock.h"
+
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What a step returns besides rdzv_err: the snapshot moved, read again. */
+#define STEP_AGAIN (-1)
+
+/* ---- reading a snapshot ---- */
+
+typedef struct snapshot {
+    etcd_txn_result txn;
+    etcd_range_result *nodes, *waiting, *joined, *left;
+    int64_t revision;
+} snapshot;
+
+static const etcd_kv *find_kv(const etcd_range_result *rr, const char *key)
+{
+    size_t lo = 0, hi = rr->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        int c = strcmp(rr->kvs[mid].key, key);
+        if (c == 0) return &rr->kvs[mid];
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+static const char *key_suffix(const char *key)
+{
+    const char *s = strrchr(key, '/');
+    return s ? s + 1 : key;
+}
+
+rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod, int *have)
+{
+    char key[RDZV_KEY_MAX];
+    rdzv_key(key, sizeof(key), r->cfg.job, "round");
+    etcd_kv kv;
+    etcd_err e = etcd_get(c, key, &kv);
+    if (e == ETCD_ERR_NOT_FOUND) {
+        *have = 0;
+        return RDZV_OK;
+    }
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    rdzv_err err = rdzv_record_parse(kv.value, kv.value_len, rec);
+    *mod = kv.mod_revision;
+    etcd_kv_free(&kv);
+    *have = err == RDZV_OK;
+    return err;
+}
+
+/* The snapshot a step needs, read in one txn guarded by the round record's
+ * mod_revision: for a frozen round the node keys, waiting keys and leave
+ * markers; for an open round its joins and this node's own key. Reading
+ * only what the state needs keeps a round of N agents at O(N) keys each. */
+static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
+{
+    char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX],
+        left[RDZV_KEY_MAX];
+    long long number = (long long)rec->number;
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    if (rec->frozen)
+        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/");
+    else
+        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/%s", r->node);
+    rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/");
+    rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", number);
+    rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", number);
+    etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
+    etcd_op ops[3];
+    ops[0] = (etcd_op){.type = ETCD_OP_RANGE, .key = nodes, .prefix = rec->frozen};
+    if (rec->frozen) {
+        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
+        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
+    } else {
+        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
+    }
+    size_t nops = rec->frozen ? 3 : 2;
+    memset(s, 0, sizeof(*s));
+    etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    *moved = !s->txn.succeeded;
+    if (*moved) return RDZV_OK;
+    if (s->txn.n != nops) return RDZV_ERR_PROTOCOL;
+    s->nodes = &s->txn.ranges[0];
+    if (rec->frozen) {
+        s->waiting = &s->txn.ranges[1];
+        s->left = &s->txn.ranges[2];
+    } else {
+        s->joined = &s->txn.ranges[1];
+    }
+    s->revision = s->txn.revision;
+    return RDZV_OK;
+}
+
+/* ---- writes (each a txn guarded by the record's mod_revision) ---- */
+
+rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
+                         int bump_epoch, const char *state_json, int *won)
+{
+    char round[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], stale[RDZV_KEY_MAX], restarts[RDZV_KEY_MAX],
+        state[RDZV_KEY_MAX];
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
+    rdzv_key(restarts, sizeof(restarts), r->cfg.job, "restarts");
+    rdzv_key(state, sizeof(state), r->cfg.job, "state");
+    /* Keys of round N-2 (relative to the new round N) are garbage by now:
+     * no agent and no trainer of the last two rounds reads them. */
+    rdzv_key(stale, sizeof(stale), r->cfg.job, "rounds/%lld/", (long long)(next->number - 2));
+    char *json = rdzv_record_json(next);
+    if (!json) return RDZV_ERR_NOMEM;
+    char num[32], rs[32];
+    snprintf(num, sizeof(num), "%lld", (long long)next->number);
+    snprintf(rs, sizeof(rs), "%lld", (long long)next->restarts);
+    etcd_cmp cmp = {.key = round,
+                    .target = mod ? ETCD_CMP_MOD : ETCD_CMP_VERSION,
+                    .op = ETCD_CMP_EQUAL,
+                    .number = mod};
+    etcd_op ops[5];
+    size_t n = 0;
+    ops[n++] =
+        (etcd_op){.type = ETCD_OP_PUT, .key = round, .value = json, .value_len = strlen(json)};
+    ops[n++] =
+        (etcd_op){.type = ETCD_OP_PUT, .key = restarts, .value = rs, .value_len = strlen(rs)};
+    if (bump_epoch) {
+        ops[n++] =
+            (etcd_op){.type = ETCD_OP_PUT, .key = epoch, .value = num, .value_len = strlen(num)};
+        if (next->number > 2)
+            ops[n++] = (etcd_op){.type = ETCD_OP_DELETE, .key = stale, .prefix = 1};
+    }
+    if (state_json)
+        ops[n++] = (etcd_op){.type = ETCD_OP_PUT,
+                             .key = state,
+                             .value = state_json,
+                             .value_len = strlen(state_json)};
+    etcd_txn_result res;
+    etcd_err e = etcd_txn(c, &cmp, 1, ops, n, NULL, 0, &res);
+    free(json);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    *won = res.succeeded;
+    etcd_txn_result_free(&res);
+    return RDZV_OK;
+}
+
+char *rdzv_state_json(const char *state, const char *reason)
+{
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "state", state);
+    cJSON_AddStringToObject(o, "reason", reason ? reason : "");
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return s;
+}
+
+rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
+                            const etcd_op *also, int *won, int64_t *revision)
+{
+    char *val = NULL;
+    cJSON *o = cJSON_CreateObject();
+    if (o) {
+        cJSON_AddStringToObject(o, "addr", r->cfg.addr);
+        cJSON_AddNumberToObject(o, "lws", r->cfg.local_world_size);
+        val = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+    }
+    if (!val) return RDZV_ERR_NOMEM;
+    etcd_cmp cmps[2];
+    size_t ncmps = 0;
+    if (guard) cmps[ncmps++] = *guard;
+    cmps[ncmps++] =
+        (etcd_cmp){.key = key, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL, .number = 0};
+    etcd_op ops[2] = {
+        {.type = ETCD_OP_PUT,
+         .key = key,
+         .value = val,
+         .value_len = strlen(val),
+         .lease = r->lease},
+    };
+    size_t nops = 1;
+    if (also) ops[nops++] = *also;
+    etcd_txn_result res, *out = won || revision ? &res : NULL;
+    etcd_err e = etcd_txn(c, cmps, ncmps, ops, nops, NULL, 0, out);
+    free(val);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    if (out) {
+        if (won) *won = res.succeeded;
+        if (revision) *revision = res.revision;
+        etcd_txn_result_free(&res);
+    }
+    return RDZV_OK;
+}
+
+static rdzv_err create_first_round(rdzv *r)
+{
+    rdzv_record rec;
+    memset(&rec, 0, sizeof(rec));
+    rec.number = 1;
+    rec.max_restarts = r->cfg.max_restarts;
+    rec.min_nodes = r->cfg.min_nodes;
+    rec.max_nodes = r->cfg.max_nodes;
+    snprintf(rec.job, sizeof(rec.job), "running");
+    char *st = rdzv_state_json("running", "");
+    if (!st) return RDZV_ERR_NOMEM;
+    int won = 0;
+    rdzv_err err = rdzv_put_record(r, r->dc, &rec, 0, 1, st, &won);
+    free(st);
+    if (err == RDZV_OK && won) dlog_debug(&r->log, NULL, "created round 1");
+    return err;
+}
+
+static int open_next(rdzv *r, const rdzv_record *rec, int64_t mod, rdzv_cause cause,
+                     const char *node, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static int open_next(rdzv *r, const rdzv_record *rec, int64_t mod, rdzv_cause cause,
+                     const char *node, const char *fmt, ...)
+{
+    rdzv_record next;
+    memset(&next, 0, sizeof(next));
+    next.number = rec->number + 1;
+    rdzv_record_carry(rec, &next);
+    next.peer_lost_of = 0; /* only a lost peer's end sets it */
+    snprintf(next.job, sizeof(next.job), "running");
+    snprintf(next.cause, sizeof(next.cause), "%s", rdzv_cause_name(cause));
+    snprintf(next.cause_node, sizeof(next.cause_node), "%s", node ? node : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(next.reason, sizeof(next.reason), fmt, ap);
+    va_end(ap);
+    int won = 0;
+    rdzv_err err = rdzv_record_copy_order(rec, &next);
+    if (err == RDZV_OK) err = rdzv_put_record(r, r->dc, &next, mod, 1, NULL, &won);
+    if (err == RDZV_OK && won)
+        dlog_debug(&r->log, NULL, "opened round %lld: %s", (long long)next.number, next.reason);
+    rdzv_record_free(&next);
+    return err == RDZV_OK ? STEP_AGAIN : (int)err;
+}
+
+/* ---- one step ---- */
+
+static void begin_seek(rdzv *r)
+{
+    int64_t now = mono_now_ms();
+    if (r->deadline_ms == 0) r->deadline_ms = now + r->cfg.join_timeout_ms;
+    pthread_mutex_lock(&r->mu);
+    if (r->seek_start_ms == 0) r->seek_start_ms = now;
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void report_frozen(rdzv *r, const rdzv_record *rec)
+{
+    rdzv_event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.type = RDZV_EV_FROZEN;
+    if (rdzv_record_to_round(rec, r->node, &ev.round) != RDZV_OK) return;
+    r->in_round = rec->number;
+    r->reported = rec->number;
+    r->spare_round = 0;
+    r->deadline_ms = 0;
+    pthread_mutex_lock(&r->mu);
+    r->member_round = rec->number;
+    if (r->seek_start_ms) r->seconds_in_rdzv += (mono_now_ms() - r->seek_start_ms) / 1000.0;
+    r->seek_start_ms = 0;
+    pthread_mutex_unlock(&r->mu);
+    dlog_debug(&r->log, NULL, "round %lld frozen, rank %d of %d", (long long)rec->number,
+               ev.round.my_rank, ev.round.nmembers);
+    rdzv_emit(r, &ev);
+}
+
+static void report_ended(rdzv *r, const rdzv_record *rec)
+{
+    rdzv_event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.type = RDZV_EV_ROUND_ENDED;
+    ev.round_number = r->in_round;
+    if (rec->number == r->in_round + 1) {
+        ev.cause = rdzv_cause_from_name(rec->cause);
+        snprintf(ev.node, sizeof(ev.node), "%s", rec->cause_node);
+        snprintf(ev.reason, sizeof(ev.reason), "%s", rec->reason);
+    } else {
+        snprintf(ev.reason, sizeof(ev.reason), "round %lld superseded by round %lld",
+                 (long long)r->in_round, (long long)rec->number);
+    }
+    r->in_round = 0;
+    rdzv_emit(r, &ev);
+    begin_seek(r);
+}
+
+static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
+{
+    char key[RDZV_KEY_MAX];
+    rdzv_set_join_watch(r, NULL, 0, 0);
+    rdzv_start_member_watches(r, s->revision + 1);
+    int me = rdzv_record_member_index(rec, r->node);
+    /* Listed under an older lease: that was this node before it lost its
+     * lease, and is a lost member like any other. */
+    if (me >= 0 && rec->members[me].lease != r->lease) me = -1;
+    if (me < 0 && !r->waiting_written) {
+        /* Not in this round: say so, for whoever sees that there is room. */
+        rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
+        if (etcd_put(r->dc, key, r->cfg.addr, strlen(r->cfg.addr), r->lease, NULL) != ETCD_OK)
+            return RDZV_ERR_ETCD;
+        r->waiting_written = 1;
+    }
+    if (me >= 0 && r->waiting_written) {
+        rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
+        etcd_delete(r->dc, key, 0, NULL);
+        r->waiting_written = 0;
+    }
+    /* Does the round end? A member gone or left, or a waiting node and
+     * room. Spares check too: if every member died, only they can tell. */
+    for (int i = 0; i < rec->nmembers; i++) {
+        const rdzv_rec_member *m = &rec->members[i];
+        if (i == me) continue;
+        rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/left/%s", (long long)rec->number,
+                 m->node);
+        if (find_kv(s->left, key))
+            return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LEFT, m->node, "node %s left", m->node);
+        rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", m->node);
+        const etcd_kv *kv = find_kv(s->nodes, key);
+        if (!kv || kv->lease != m->lease)
+            return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LOST, m->node,
+                             "node %s lost (its lease ended)", m->node);
+    }
+    if (rec->nmembers < r->cfg.max_nodes) {
+        const char *waiting = me < 0 ? r->node : NULL;
+        for (size_t i = 0; !waiting && i < s->waiting->n; i++) {
+            const char *node = key_suffix(s->waiting->kvs[i].key);
+            if (rdzv_record_member_index(rec, node) < 0) waiting = node;
+        }
+        if (waiting)
+            return open_next(r, rec, mod, RDZV_CAUSE_NODE_WAITING, waiting,
+                             "node %s is waiting and round %lld has room", waiting,
+                             (long long)rec->number);
+    }
+    if (me < 0 && r->spare_round != rec->number) {
+        /* Full: a hot spare, which waits as long as it takes. */
+        r->spare_round = rec->number;
+        r->deadline_ms = 0;
+        rdzv_emit_simple(r, RDZV_EV_SPARE, RDZV_OK, "round %lld is full (%d nodes)",
+                         (long long)rec->number, rec->nmembers);
+    }
+    return RDZV_OK;
+}
+
+static int by_create_revision(const void *a, const void *b)
+{
+    const etcd_kv *x = *(etcd_kv *const *)a, *y = *(etcd_kv *const *)b;
+    return (x->create_revision > y->create_revision) - (x->create_revision < y->create_revision);
+}
+
+/* Freezes the round: previous members first, in their old order, then
+ * newcomers in join order; at most max_nodes (the rest become spares). */
+static int freeze(rdzv *r, const rdzv_record *rec, int64_t mod, etcd_kv **joined, size_t n)
+{
+    rdzv_record fz;
+    memset(&fz, 0, sizeof(fz));
+    fz.number = rec->number;
+    fz.frozen = 1;
+    rdzv_record_carry(rec, &fz);
+    snprintf(fz.job, sizeof(fz.job), "%s", rec->job);
+    snprintf(fz.cause, sizeof(fz.cause), "%s", rec->cause);
+    snprintf(fz.cause_node, sizeof(fz.cause_node), "%s", rec->cause_node);
+    snprintf(fz.reason, sizeof(fz.reason), "%s", rec->reason);
+    etcd_kv **order = calloc(n ? n : 1, sizeof(*order));
+    char *used = calloc(n ? n : 1, 1);
+    fz.members = calloc(n ? n : 1, sizeof(*fz.members));
+    rdzv_err err = RDZV_ERR_NOMEM;
+    if (!order || !used || !fz.members) goto out;
+    size_t k = 0;
+    for (int p = 0; p < rec->nprev; p++)
+        for (size_t i = 0; i < n; i++)
+            if (!used[i] && strcmp(key_suffix(joined[i]->key), rec->prev[p]) == 0) {
+                used[i] = 1;
+                order[k++] = joined[i];
+            }
+    for (size_t i = 0; i < n; i++)
+        if (!used[i]) order[k++] = joined[i];
+    for (size_t i = 0; i < k && fz.nmembers < r->cfg.max_nodes; i++) {
+        cJSON *o = cJSON_ParseWithLength(order[i]->value, order[i]->value_len);
+        const cJSON *addr = cJSON_GetObjectItemCaseSensitive(o, "addr");
+        const cJSON *lws = cJSON_GetObjectItemCaseSensitive(o, "lws");
+        if (!cJSON_IsString(addr) || !cJSON_IsNumber(lws) || lws->valueint < 1 ||
+            lws->valueint > RDZV_MAX_LOCAL_WORLD) {
+            dlog_debug(&r->log, NULL, "skipping malformed join %s", order[i]->key);
+            cJSON_Delete(o);
+            continue;
+        }
+        rdzv_rec_member *m = &fz.members[fz.nmembers];
+        m->node = strdup(key_suffix(order[i]->key));
+        m->addr = strdup(addr->valuestring);
+        m->lws = lws->valueint;
+        m->lease = order[i]->lease;
+        cJSON_Delete(o);
+        fz.nmembers++;
+        if (!m->node || !m->addr) goto out;
+    }
+    int won = 0;
+    err = rdzv_put_record(r, r->dc, &fz, mod, 0, NULL, &won);
+    if (err == RDZV_OK && won)
+        dlog_debug(&r->log, NULL, "froze round %lld with %d nodes", (long long)fz.number,
+                   fz.nmembers);
+out:
+    free(order);
+    free(used);
+    rdzv_record_free(&fz);
+    return err == RDZV_OK ? STEP_AGAIN : (int)err;
+}
+
+static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
+{
+    char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX];
+    begin_seek(r);
+    rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
+             r->node);
+    if (!find_kv(s->joined, key)) {
+        /* Join: create-only, and only while the round is still current. */
+        rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
+        rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/%s", r->node);
+        char num[32];
+        snprintf(num, sizeof(num), "%lld", (long long)rec->number);
+        etcd_cmp current = {.key = epoch,
+                            .target = ETCD_CMP_VALUE,
+                            .op = ETCD_CMP_EQUAL,
+                            .value = num,
+                            .value_len = strlen(num)};
+        etcd_op unwait = {.type = ETCD_OP_DELETE, .key = waiting};
+        rdzv_err err = rdzv_register_node(r, r->dc, key, &current, &unwait, NULL, NULL);
+        if (err != RDZV_OK) return err;
+        r->waiting_written = 0;
+        r->spare_round = 0;
+        dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
+        return STEP_AGAIN;
+    }
+    size_t n = s->joined->n;
+    etcd_kv **joined = calloc(n, sizeof(*joined));
+    if (!joined) return RDZV_ERR_NOMEM;
+    int64_t maxrev = 0;
+    for (size_t i = 0; i < n; i++) {
+        joined[i] = &s->joined->kvs[i];
+        if (joined[i]->create_revision > maxrev) maxrev = joined[i]->create_revision;
+    }
+    qsort(joined, n, sizeof(*joined), by_create_revision);
+    size_t pos = 0;
+    while (pos < n && strcmp(joined[pos]->key, key) != 0)
+        pos++;
+    int rc = RDZV_OK;
+    if (pos > 0) {
+        /* Not the freezer: watch the joiner just before this one. */
+        rdzv_set_join_watch(r, joined[pos - 1]->key, 0, s->revision + 1);
+        r->fz_round = 0;
+    } else {
+        char prefix[RDZV_KEY_MAX];
+        rdzv_key(prefix, sizeof(prefix), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
+        rdzv_set_join_watch(r, prefix, 1, s->revision + 1);
+        int64_t now = mono_now_ms();
+        if (r->fz_round != rec->number || r->fz_count != (int64_t)n || r->fz_maxrev != maxrev) {
+            r->fz_round = rec->number;
+            r->fz_count = (int64_t)n;
+            r->fz_maxrev = maxrev;
+            r->fz_last_join = now;
+        }
+        if ((int64_t)n >= r->cfg.max_nodes ||
+            ((int64_t)n >= r->cfg.min_nodes && now >= r->fz_last_join + r->cfg.last_call_ms))
+            rc = freeze(r, rec, mod, joined, n);
+        else if ((int64_t)n >= r->cfg.min_nodes)
+            r->last_call_at = r->fz_last_join + r->cfg.last_call_ms;
+    }
+    free(joined);
+    return rc;
+}
+
+/* Returns RDZV_OK, an error, or STEP_AGAIN. */
+static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
+{
+    if (strcmp(rec->job, "done") == 0) {
+        rdzv_emit_simple(r, RDZV_EV_JOB_DONE, RDZV_OK, "job done");
+        r->terminal = 1;
+        return RDZV_OK;
+    }
+    if (strcmp(rec->job, "failed") == 0) {
+        rdzv_emit_simple(r, RDZV_EV_JOB_FAILED, RDZV_ERR_JOB_FAILED, "%s", rec->reason);
+        r->terminal = 1;
+        return RDZV_OK;
+    }
+    if (r->in_round && rec->number > r->in_round) report_ended(r, rec);
+    /* A frozen record never changes its members: report at once, then
+     * check whether the round already has to end. */
+    int me = rdzv_record_member_index(rec, r->node);
+    if (rec->frozen && rec->number > r->reported && me >= 0 && rec->members[me].lease == r->lease)
+        report_frozen(r, rec);
+
+    snapshot s;
+    int moved = 0;
+    rdzv_err err = read_snapshot(r, rec, mod, &s, &moved);
+    if (err != RDZV_OK || moved) {
+        etcd_txn_result_free(&s.txn);
+        return err != RDZV_OK ? (int)err : STEP_AGAIN;
+    }
+    char key[RDZV_KEY_MAX];
+    rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", r->node);
+    const etcd_kv *mine = find_kv(s.nodes, key);
+    int rc;
+    if (!mine || mine->lease != r->lease) {
+        rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_LEASE_LOST,
+                         "node %s: registration gone (lease expired or revoked)", r->node);
+        r->terminal = 1;
+        rc = RDZV_OK;
+    } else if (rec->frozen) {
+        rc = frozen_step(r, rec, mod, &s);
+    } else {
+        rc = open_step(r, rec, mod, &s);
+    }
+    etcd_txn_result_free(&s.txn);
+    return rc;
+}
+
+static rdzv_err reconcile(rdzv *r)
+{
+    for (int attempt = 0; attempt < 100 && !r->terminal; attempt++) {
+        rdzv_record rec;
+        int64_t mod = 0;
+        int have = 0;
+        rdzv_err err = RDZV_OK;
+        if (attempt == 0 && rdzv_take_cached_round(r, &rec, &mod))
+            have = 1;
+        else
+            err = rdzv_read_round(r, r->dc, &rec, &mod, &have);
+        if (err == RDZV_ERR_PROTOCOL) {
+            rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_PROTOCOL,
+                             "malformed round record under /ductile/%s/round", r->cfg.job);
+            r->terminal = 1;
+            return err;
+        }
+        if (err != RDZV_OK) return err;
+        if (!have) {
+            err = create_first_round(r);
+            if (err != RDZV_OK) return err;
+            continue;
+        }
+        int rc = step(r, &rec, mod);
+        rdzv_record_free(&rec);
+        if (rc != STEP_AGAIN) return (rdzv_err)rc;
+    }
+    return RDZV_OK;
+}
+
+void *rdzv_driver_main(void *arg)
+{
+    rdzv *r = arg;
+    int need = 1;
+    r->backoff_ms = 100;
+    for (;;) {
+        pthread_mutex_lock(&r->mu);
+        for (;;) {
+            if (r->stop || r->lease_lost || r->dirty || need) break;
+            int64_t wake = 0;
+            int64_t timers[3] = {r->deadline_ms, r->last_call_at, r->retry_at};
+            for (int i = 0; i < 3; i++)
+                if (timers[i] && (wake == 0 || timers[i] < wake)) wake = timers[i];
+            if (wake && mono_now_ms() >= wake) break;
+            rdzv_wait_until(r, wake);
+        }
+        int stop = r->stop, lost = r->lease_lost;
+        unsigned dirty = r->dirty;
+        r->dirty = 0;
+        pthread_mutex_unlock(&r->mu);
+        if (stop) break;
+        if (lost) {
+            rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_LEASE_LOST,
+                             "node %s: lease %lld expired; this node is out of the job", r->node,
+                             (long long)r->lease);
+            break;
+        }
+        int64_t now = mono_now_ms();
+        if (r->deadline_ms && now >= r->deadline_ms) {
+            rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_TIMEOUT,
+                             "no round froze within the join timeout (%d ms)",
+                             r->cfg.join_timeout_ms);
+            break;
+        }
+        int timer =
+            (r->last_call_at && now >= r->last_call_at) || (r->retry_at && now >= r->retry_at);
+        int relevant =
+            need || timer || (dirty & (RDZV_TAG_ROUND | RDZV_TAG_JOIN | RDZV_TAG_RESYNC)) ||
+            ((dirty & (RDZV_TAG_NODES | RDZV_TAG_WAITING)) && (r->in_round || r->spare_round));
+        if (!relevant) continue;
+        need = 0;
+        r->last_call_at = 0;
+        r->retry_at = 0;
+        rdzv_err err = reconcile(r);
+        if (r->terminal) break;
+        if (err != RDZV_OK) {
+            dlog_debug(&r->log, NULL, "step failed: %s (%s); retrying in %lld ms",
+                       rdzv_strerror(err), etcd_last_error(r->dc), (long long)r->backoff_ms);
+            r->retry_at = mono_now_ms() + r->backoff_ms;
+            r->backoff_ms = r->backoff_ms < 2000 ? r->backoff_ms * 2 : 2000;
+        } else {
+            r->backoff_ms = 100;
+        }
+    }
+    r->terminal = 1;
+    return NULL;
+}
