@@ -795,32 +795,36 @@ static loop_state trainer_finish(trainer *t, loop *l)
 
 /* Everything before the first step: the logger, options, failpoints,
  * signals, the environment, the device, the first group, the control
- * channel, data, model and state. 0 to train; otherwise the exit status:
- * 2 for a usage error, 0 after --help, CTL_EXIT_PEER_LOST under an agent
- * when the group could not form for want of a peer, else 1. */
-static int trainer_start(trainer *t, int argc, char **argv)
+ * channel, data, model and state. 0 to train; -1 to exit with *status: 2
+ * for a usage error, 0 after --help, CTL_EXIT_PEER_LOST under an agent when
+ * the group could not form for want of a peer, else 1. */
+static int trainer_start(trainer *t, int argc, char **argv, int *status)
 {
     char msg[DLOG_MSG_MAX];
     if (dlog_init(&t->log, "ductile-train", NULL, 0, msg, sizeof(msg)) != 0) {
         dlog_error(&t->log, NULL, "%s", msg);
-        return 2;
+        *status = 2;
+        return -1;
     }
     int rc = options_parse(argc, argv, &t->o, &t->log);
     if (rc != 0) { /* the bad value was already named in one line */
         if (rc > 0) options_usage(stdout);
-        return rc > 0 ? 0 : 2;
+        *status = rc > 0 ? 0 : 2;
+        return -1;
     }
     if (t->o.log_json >= 0) t->log.json = t->o.log_json;
     if (failpoint_check_env(msg, sizeof(msg)) != 0) {
         fail(t, "%s", msg);
-        return 2;
+        *status = 2;
+        return -1;
     }
     signal(SIGPIPE, SIG_IGN);
     signal(SIGTERM, on_signal);
     signal(SIGINT, on_signal);
     if (group_env_read(&t->env, msg) != 0) {
         fail(t, "%s", msg);
-        return 1;
+        *status = 1;
+        return -1;
     }
     if (pick_device(t) != 0 || group_join(t) != 0 || elastic_start(t) != 0 ||
         (openblas_set_num_threads(blas_threads(&t->o, &t->g)), 0) || trainer_setup(t) != 0) {
@@ -828,7 +832,8 @@ static int trainer_start(trainer *t, int argc, char **argv)
          * away is a lost peer, not this worker's failure: say so by the
          * exit status (the control channel may not be open yet). */
         int lost = t->lost || (t->g.comm && comm_err_is_peer(comm_error(t->g.comm)));
-        return lost && t->env.control_fd >= 0 ? CTL_EXIT_PEER_LOST : 1;
+        *status = lost && t->env.control_fd >= 0 ? CTL_EXIT_PEER_LOST : 1;
+        return -1;
     }
     char desc[256];
     model_describe(&t->o.cfg, desc, sizeof(desc));
@@ -841,8 +846,8 @@ static int trainer_start(trainer *t, int argc, char **argv)
 int main(int argc, char **argv)
 {
     static trainer t; /* large, and zero: trainer_free() works on any part of it */
-    int status = trainer_start(&t, argc, argv);
-    if (status != 0) {
+    int status;
+    if (trainer_start(&t, argc, argv, &status) != 0) {
         trainer_free(&t);
         return status;
     }
