@@ -117,7 +117,10 @@ typedef struct trainer {
 } trainer;
 
 /* Rank 0's progress lines, on stdout: "ductile-train: MSG", as the logger's
- * text lines read, and dropped with them below DUCTILE_LOG_LEVEL=info. */
+ * text lines read, and dropped with them below DUCTILE_LOG_LEVEL=info.
+ * Knowingly not through dlog, which writes only to stderr: progress belongs
+ * on stdout (scripts read it there; a clean run leaves stderr empty). A
+ * dlog with an output stream would carry these too, as JSON when asked. */
 static void say(const trainer *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 static void say(const trainer *t, const char *fmt, ...)
