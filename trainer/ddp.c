@@ -22,7 +22,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
+
+#include "ductile/clock.h"
 
 /* Backstop for finish(): comm fails a collective within its own deadline,
  * so this only fires if that promise is broken. */
@@ -53,7 +54,7 @@ struct ddp_reducer {
     int next;           /* next bucket the thread reduces */
     int shutdown;
     comm_err cerr; /* first collective error */
-    char err[256];
+    char err[DDP_MSG_MAX];
 };
 
 const char *ddp_strerror(ddp_err err)
@@ -101,7 +102,7 @@ static void *comm_thread(void *arg)
         if (r->shutdown) break;
         ddp_bucket *b = &r->buckets[r->next];
         comm_err e = r->cerr;
-        char why[256] = "";
+        char why[DDP_MSG_MAX] = ""; /* gpu_wait_mark's msg */
         pthread_mutex_unlock(&r->mu);
         if (e == COMM_OK && r->m->dev && gpu_wait_mark(r->m, r->next, DDP_WAIT_MS, why) != 0)
             e = COMM_ERR_CUDA;
@@ -158,12 +159,11 @@ ddp_err ddp_reducer_create(model *m, comm *c, size_t bucket_cap_bytes, int overl
     r->buckets[r->nbuckets - 1].numel++;
 
     if (c) {
-        pthread_condattr_t ca;
-        pthread_condattr_init(&ca);
-        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
         pthread_mutex_init(&r->mu, NULL);
-        pthread_cond_init(&r->cv, &ca);
-        pthread_condattr_destroy(&ca);
+        if (mono_cond_init(&r->cv) != 0) {
+            pthread_mutex_destroy(&r->mu);
+            goto nomem;
+        }
         if (pthread_create(&r->thread, NULL, comm_thread, r) != 0) {
             pthread_mutex_destroy(&r->mu);
             pthread_cond_destroy(&r->cv);
@@ -276,9 +276,7 @@ void ddp_mark_ready(void *ctx, int param)
 /* Waits for the thread to reduce every bucket; resets it for the next step. */
 static ddp_err wait_buckets(ddp_reducer *r)
 {
-    struct timespec deadline;
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += DDP_WAIT_MS / 1000;
+    struct timespec deadline = mono_deadline(DDP_WAIT_MS);
     ddp_err err = DDP_OK;
     pthread_mutex_lock(&r->mu);
     if (!r->overlap) {
@@ -347,6 +345,33 @@ ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes)
         return DDP_ERR_COMM;
     }
     return DDP_OK;
+}
+
+/* One broadcast of the state sync: staged through the device on a GPU, as
+ * NCCL wants device memory. gpu_broadcast_host() sends from rank 0 only;
+ * from another root the host buffer goes to the communicator as it is. */
+static comm_err sync_broadcast(void *ctx, void *buf, size_t bytes, int root)
+{
+    ddp_reducer *r = ctx;
+    if (r->m->dev && root == 0) return gpu_broadcast_host(r->m, r->comm, buf, bytes);
+    return comm_broadcast(r->comm, buf, bytes, root);
+}
+
+ddp_err ddp_sync_state(ddp_reducer *r, const elastic_claim *mine, const elastic_part *parts, int n,
+                       int *root, elastic_claim *best)
+{
+    *root = 0;
+    if (mine && best) *best = *mine;
+    if (!r->comm) return DDP_OK;
+    elastic_err e = mine ? elastic_agree(r->comm, mine, root, best) : ELASTIC_OK;
+    if (e == ELASTIC_OK) e = elastic_share_via(r->comm, *root, parts, n, sync_broadcast, r);
+    if (e == ELASTIC_OK) return DDP_OK;
+    if (e == ELASTIC_ERR_COMM) {
+        snprintf(r->err, sizeof(r->err), "state sync: %s", comm_last_error(r->comm));
+        return DDP_ERR_COMM;
+    }
+    snprintf(r->err, sizeof(r->err), "state sync: %s", elastic_strerror(e));
+    return e == ELASTIC_ERR_NOMEM ? DDP_ERR_NOMEM : DDP_ERR_SYS;
 }
 
 ddp_err ddp_allreduce(ddp_reducer *r, float *buf, size_t n)

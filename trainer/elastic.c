@@ -21,9 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "ductile/clock.h"
 #include "ductile/control.h" /* the agent-worker contract: the control protocol */
 
 struct elastic {
@@ -67,13 +67,6 @@ const char *elastic_strerror(elastic_err err)
         return "agreement collective failed";
     }
     return "unknown elastic error";
-}
-
-static double mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 /* Under e->mu: whether the collectives of the current round must be
@@ -179,21 +172,18 @@ elastic_err elastic_open(int fd, int64_t round, elastic **out)
     e->fd = fd;
     e->current = round;
     e->ending = e->lost = -1;
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->wmu, NULL);
-    pthread_cond_init(&e->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    if (mono_cond_init(&e->cv) != 0) goto err_cond;
     (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
     if (pthread_create(&e->thread, NULL, control_thread, e) != 0) goto err;
     *out = e;
     return ELASTIC_OK;
 err:
+    pthread_cond_destroy(&e->cv);
+err_cond:
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->wmu);
-    pthread_cond_destroy(&e->cv);
     free(e);
     return ELASTIC_ERR_SYS;
 }
@@ -280,7 +270,7 @@ void elastic_report_peer_lost(elastic *e, int64_t round, const char *why)
 elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int timeout_ms,
                                elastic_round *out)
 {
-    double deadline = mono_s() + timeout_ms / 1000.0;
+    int64_t deadline = mono_now_ms() + timeout_ms;
     elastic_err err = ELASTIC_OK;
     pthread_mutex_lock(&e->mu);
     for (;;) {
@@ -296,18 +286,12 @@ elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int time
             err = ELASTIC_ERR_CLOSED;
             break;
         }
-        if (mono_s() >= deadline) {
+        if (mono_now_ms() >= deadline) {
             err = ELASTIC_ERR_TIMEOUT;
             break;
         }
         /* Short slices: a signal sets *stop without waking the condition. */
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += 50 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = mono_deadline(50);
         pthread_cond_timedwait(&e->cv, &e->mu, &ts);
     }
     pthread_mutex_unlock(&e->mu);
@@ -340,7 +324,19 @@ elastic_err elastic_agree(comm *c, const elastic_claim *mine, int *root, elastic
     return ELASTIC_OK;
 }
 
+/* The plain broadcast of elastic_share(). */
+static comm_err plain_broadcast(void *ctx, void *buf, size_t bytes, int root)
+{
+    return comm_broadcast(ctx, buf, bytes, root);
+}
+
 elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
+{
+    return elastic_share_via(c, root, parts, n, plain_broadcast, c);
+}
+
+elastic_err elastic_share_via(comm *c, int root, const elastic_part *parts, int n,
+                              elastic_broadcast_fn broadcast, void *ctx)
 {
     if (!c || n < 0 || (n > 0 && !parts)) return ELASTIC_ERR_ARG;
     int receiving = comm_rank(c) != root;
@@ -356,7 +352,7 @@ elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
     size_t off = 0;
     for (int i = 0; i < n && err == ELASTIC_OK; i++) {
         void *buf = !receiving ? parts[i].data : scratch ? scratch + off : NULL;
-        if (comm_broadcast(c, buf, parts[i].bytes, root) != COMM_OK) err = ELASTIC_ERR_COMM;
+        if (broadcast(ctx, buf, parts[i].bytes, root) != COMM_OK) err = ELASTIC_ERR_COMM;
         off += parts[i].bytes;
     }
     off = 0;
@@ -366,49 +362,4 @@ elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
     }
     free(scratch);
     return err;
-}
-
-elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, int cuda,
-                            rdzv_store **store, comm **c, char *msg)
-{
-    *store = NULL;
-    *c = NULL;
-    msg[0] = 0;
-    if (rd->world == 1) return ELASTIC_OK;
-    const char *endpoints = getenv("DUCTILE_ETCD_ENDPOINTS"), *job = getenv("DUCTILE_JOB");
-    if (!endpoints || !job) {
-        snprintf(msg, 256, "DUCTILE_ETCD_ENDPOINTS and DUCTILE_JOB must be set");
-        return ELASTIC_ERR_ARG;
-    }
-    /* The agent hands its etcd credentials and node address to workers. */
-    rdzv_etcd etcd = {.endpoints = endpoints,
-                      .cacert = getenv("DUCTILE_ETCD_CACERT"),
-                      .cert = getenv("DUCTILE_ETCD_CERT"),
-                      .key = getenv("DUCTILE_ETCD_KEY"),
-                      .user = getenv("DUCTILE_ETCD_USER"),
-                      .password = getenv("DUCTILE_ETCD_PASSWORD")};
-    rdzv_err re = rdzv_store_open(&etcd, job, rd->round, store);
-    if (re != RDZV_OK) {
-        snprintf(msg, 256, "round %lld store: %s", (long long)rd->round, rdzv_strerror(re));
-        return ELASTIC_ERR_COMM;
-    }
-    comm_config cc = *base;
-    cc.rank = rd->rank;
-    cc.world_size = rd->world;
-    cc.store = *store;
-    if (!cc.host) cc.host = getenv("DUCTILE_NODE_ADDR");
-    comm_err ce = cuda ? comm_nccl_init(&cc, c) : comm_ring_init(&cc, c);
-    if (ce != COMM_OK) {
-        /* The backend logged the detail; the store's last error may add to it. */
-        const char *detail = rdzv_store_last_error(*store);
-        snprintf(msg, 256, "round %lld: building the %s: %s%s%s", (long long)rd->round,
-                 cuda ? "NCCL communicator" : "ring", comm_strerror(ce), detail[0] ? ": " : "",
-                 detail);
-        rdzv_store_close(*store);
-        *store = NULL;
-        *c = NULL;
-        if (comm_err_is_peer(ce)) return ELASTIC_ERR_COMM;
-        return ce == COMM_ERR_NOMEM ? ELASTIC_ERR_NOMEM : ELASTIC_ERR_SYS;
-    }
-    return ELASTIC_OK;
 }

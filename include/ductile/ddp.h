@@ -21,6 +21,7 @@
 #include <stddef.h>
 
 #include "ductile/comm.h"
+#include "ductile/elastic.h" /* the agreement and the all-or-nothing share the state sync uses */
 #include "ductile/model.h"
 
 typedef enum {
@@ -33,6 +34,9 @@ typedef enum {
 } ddp_err;
 
 const char *ddp_strerror(ddp_err err);
+
+/* The size of the one-line reasons the reducer keeps (ddp_last_error). */
+#define DDP_MSG_MAX 256
 
 #define DDP_FIRST_BUCKET_BYTES (1u << 20)
 
@@ -82,6 +86,14 @@ void ddp_zero_grad(ddp_reducer *r);
 /* Rank 0's bytes to every rank, for parameters and optimizer state when a
  * group forms. A no-op without comm. */
 ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes);
+/* The one state sync, when a group forms: every rank takes the same
+ * training state, parts[0..n) (host memory: position, parameters,
+ * optimizer state). With a claim (elastic mode) the group first agrees on
+ * whose state is newest (elastic_agree; *root, *best); without one, rank
+ * 0's goes out. Receivers take it all or nothing (elastic_share): on an
+ * error their parts are as they were. A no-op without comm (*root 0). */
+ddp_err ddp_sync_state(ddp_reducer *r, const elastic_claim *mine, const elastic_part *parts, int n,
+                       int *root, elastic_claim *best);
 /* In-place sum across ranks of small host values (evaluation counts). */
 ddp_err ddp_allreduce(ddp_reducer *r, float *buf, size_t n);
 

@@ -1,14 +1,15 @@
 /* elastic.h: the trainer's side of the agent's in-place rebuild protocol.
  *
  * Under ductile-agent a trainer has a control channel (DUCTILE_CONTROL_FD,
- * agent/control.h). A thread reads it. `abort N KIND` marks round N as
+ * ductile/control.h). A thread reads it. `abort N KIND` marks round N as
  * ending, so the trainer votes to stop after the step in flight (a clean
  * step boundary, no step lost). How the step in flight ends is KIND's,
  * never a clock's: graceful (every member is alive) lets it finish however
  * long it takes, bounded only by the collectives' own deadline; lost (a
  * peer is gone) aborts the communicator at once, the step fails and is
  * discarded. `round N ...` is the next round: the trainer rebuilds its ring
- * through round N's store and the group agrees on the most advanced state.
+ * through round N's store (trainer/group.c) and the group agrees on the
+ * most advanced state (ddp_sync_state, with the agreement below).
  * A newer round while the current one ends gracefully changes nothing for
  * the step in flight; a newer round with no `abort` before it counts as
  * lost.
@@ -21,7 +22,7 @@
  * whose copy of the broadcast broke half-way keeps its old state and claim
  * (elastic_share), so a half-received state can never win either.
  *
- * Failures go back to the agent as one of two kinds (agent/control.h):
+ * Failures go back to the agent as one of two kinds (ductile/control.h):
  * `peer_lost N` when a peer vanished under a collective or round N's group
  * could not be built (a membership change), `failed` when this worker
  * failed first-hand (it counts against --max-restarts).
@@ -86,16 +87,6 @@ void elastic_report_peer_lost(elastic *e, int64_t round, const char *why);
 elastic_err elastic_wait_round(elastic *e, volatile sig_atomic_t *stop, int timeout_ms,
                                elastic_round *out);
 
-/* Opens round rd's store and builds its communicator (base gives host,
- * timeout and device; NCCL when cuda). A world of one gets neither. msg
- * (256 bytes) says what failed. ELASTIC_ERR_COMM when the group could not
- * form for want of a peer or of the store (comm_err_is_peer: the agent
- * hears `peer_lost`); another code when this process failed (ARG: no
- * DUCTILE_ETCD_ENDPOINTS or DUCTILE_JOB; NOMEM; SYS: a local socket, CUDA
- * or NCCL error). */
-elastic_err elastic_connect(const elastic_round *rd, const comm_config *base, int cuda,
-                            rdzv_store **store, comm **c, char *msg);
-
 /* The agreement on c: *root is the rank whose state everyone takes. */
 typedef struct elastic_claim {
     int64_t has_state; /* 0 for a fresh process without a checkpoint */
@@ -116,5 +107,11 @@ typedef struct elastic_part {
  * next agreement still matches its state. ELASTIC_ERR_COMM when a broadcast
  * failed (comm_last_error says why), ELASTIC_ERR_NOMEM without scratch. */
 elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n);
+/* elastic_share() with every broadcast made by broadcast(ctx, ...) in place
+ * of comm_broadcast(c, ...): ddp_sync_state() stages host memory through
+ * the device for NCCL this way. */
+typedef comm_err (*elastic_broadcast_fn)(void *ctx, void *buf, size_t bytes, int root);
+elastic_err elastic_share_via(comm *c, int root, const elastic_part *parts, int n,
+                              elastic_broadcast_fn broadcast, void *ctx);
 
 #endif
