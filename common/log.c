@@ -80,7 +80,8 @@ void dlog_vwrite(const dlog *lg, dlog_level level, const char *event, const char
         n = sizeof(line) - 1;
         line[n - 1] = '\n';
     }
-    ssize_t ignored = write(2, line, (size_t)n); /* one write: lines never interleave */
+    /* one write: lines never interleave */
+    ssize_t ignored = write(lg->to_stdout ? 1 : 2, line, (size_t)n);
     (void)ignored;
 }
 

@@ -74,11 +74,7 @@ comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
  * msg and log it themselves; then this fallback goes. */
 comm_err comm_init_failed(const comm_config *cfg, comm_err err, const char *why)
 {
-    int known = why && why[0];
-    if (cfg && cfg->msg)
-        snprintf(cfg->msg, COMM_MSG_MAX, "%s", known ? why : comm_strerror(err));
-    else if (known)
-        fprintf(stderr, "comm: %s\n", why);
+    if (cfg && cfg->msg) snprintf(cfg->msg, COMM_MSG_MAX, "%s", why && why[0] ? why : "");
     return err;
 }
 

@@ -42,10 +42,10 @@ int group_env_read(group_env *env, char *msg)
     long long rank, world, local, lws, round, fd;
     memset(env, 0, sizeof(*env));
     /* The torchrun names of CTL_ENV_VARS, then ductile's own. */
-    if (env_int("WORLD_SIZE", 1, 65536, 1, &world, msg) ||
-        env_int("RANK", 0, world - 1, 0, &rank, msg) ||
-        env_int("LOCAL_WORLD_SIZE", 1, 65536, 1, &lws, msg) ||
-        env_int("LOCAL_RANK", 0, lws - 1, 0, &local, msg) ||
+    if (env_int(CTL_ENV_WORLD_SIZE, 1, 65536, 1, &world, msg) ||
+        env_int(CTL_ENV_RANK, 0, world - 1, 0, &rank, msg) ||
+        env_int(CTL_ENV_LOCAL_WORLD_SIZE, 1, 65536, 1, &lws, msg) ||
+        env_int(CTL_ENV_LOCAL_RANK, 0, lws - 1, 0, &local, msg) ||
         env_int(CTL_ENV_ROUND, 0, LLONG_MAX, 0, &round, msg) ||
         env_int(CTL_ENV, 0, INT_MAX, -1, &fd, msg))
         return -1;
@@ -86,20 +86,22 @@ group_err group_connect(group *g, const group_env *env, const group_link *link, 
         g->store = NULL;
         return re == RDZV_ERR_ARG || re == RDZV_ERR_NOMEM ? GROUP_ERR_LOCAL : GROUP_ERR_PEER;
     }
+    char why[COMM_MSG_MAX] = "";
     comm_config cc = {.rank = g->rank,
                       .world_size = g->world,
                       .store = g->store,
                       /* The ring listens on, and publishes, this node's address. */
                       .host = link->host ? link->host : env->node_addr,
                       .timeout_ms = link->timeout_ms,
-                      .device = link->device};
+                      .device = link->device,
+                      .msg = why};
     comm_err ce = link->cuda ? comm_nccl_init(&cc, &g->comm) : comm_ring_init(&cc, &g->comm);
     if (ce != COMM_OK) {
-        /* The backend logged the detail; the store's last error may add to it. */
+        /* The backend says why in cc.msg; the store's last error may add to it. */
         const char *detail = rdzv_store_last_error(g->store);
-        snprintf(msg, GROUP_MSG_MAX, "round %lld: building the %s: %s%s%s", (long long)g->round,
-                 link->cuda ? "NCCL communicator" : "ring", comm_strerror(ce),
-                 detail[0] ? ": " : "", detail);
+        snprintf(msg, GROUP_MSG_MAX, "round %lld: building the %s: %s%s%s%s%s",
+                 (long long)g->round, link->cuda ? "NCCL communicator" : "ring",
+                 comm_strerror(ce), why[0] ? ": " : "", why, detail[0] ? ": " : "", detail);
         rdzv_store_close(g->store);
         g->store = NULL;
         g->comm = NULL;

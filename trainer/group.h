@@ -16,7 +16,7 @@
 #include "ductile/rdzv.h"
 
 /* The size of the msg buffers group_* functions fill with a one-line reason. */
-#define GROUP_MSG_MAX 256
+#define GROUP_MSG_MAX 512
 
 /* What the agent told this worker through its environment (control.h),
  * read once at start. Without an agent: a world of one, round 0. */

@@ -90,7 +90,8 @@ typedef enum {
 } loop_state;
 
 typedef struct trainer {
-    dlog log; /* errors and warnings; progress lines go to stdout (say) */
+    dlog log; /* errors and warnings, on stderr */
+    dlog out; /* progress (rank 0 only): as log, on stdout */
     options o;
     group_env env; /* what the agent said at start (control.h) */
     group g;
@@ -116,22 +117,16 @@ typedef struct trainer {
     char why[TRAINER_MSG_MAX]; /* the last failure of a step or a sync, for the agent */
 } trainer;
 
-/* Rank 0's progress lines, on stdout: "ductile-train: MSG", as the logger's
- * text lines read, and dropped with them below DUCTILE_LOG_LEVEL=info.
- * Knowingly not through dlog, which writes only to stderr: progress belongs
- * on stdout (scripts read it there; a clean run leaves stderr empty). A
- * dlog with an output stream would carry these too, as JSON when asked. */
+/* Rank 0's progress lines, at info level on stdout (scripts read them there;
+ * a clean run leaves stderr empty), in the log's format. */
 static void say(const trainer *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 static void say(const trainer *t, const char *fmt, ...)
 {
-    if (t->g.rank != 0 || !dlog_enabled(&t->log, DLOG_INFO)) return;
+    if (t->g.rank != 0) return;
     va_list ap;
     va_start(ap, fmt);
-    printf("ductile-train: ");
-    vprintf(fmt, ap);
-    printf("\n");
-    fflush(stdout);
+    dlog_vwrite(&t->out, DLOG_INFO, NULL, fmt, ap);
     va_end(ap);
 }
 
@@ -393,6 +388,7 @@ static int resume_and_sync(trainer *t)
         ckpt_err e = ckpt_load(t->o.checkpoint_dir, &want, &got, t->m->weights, t->m->nfloats,
                                t->opt->state, t->opt->n * t->opt->nstate, path, msg);
         if (e == CKPT_OK) {
+            if (msg[0]) dlog_warn(&t->log, NULL, "%s", msg); /* newer ones were unusable */
             int64_t round = t->st.round;
             t->st = got;
             t->st.round = round;
@@ -816,6 +812,8 @@ static int trainer_start(trainer *t, int argc, char **argv, int *status)
         return -1;
     }
     if (t->o.log_json >= 0) t->log.json = t->o.log_json;
+    t->out = t->log;
+    t->out.to_stdout = 1;
     if (failpoint_check_env(msg, sizeof(msg)) != 0) {
         fail(t, "%s", msg);
         *status = 2;

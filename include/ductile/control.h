@@ -73,10 +73,10 @@
 
 /* X(NAME, what the agent puts there) for every variable it sets. */
 #define CTL_ENV_VARS(X)                                                                   \
-    X("RANK", "global rank of this worker in the round")                                  \
-    X("LOCAL_RANK", "rank among this node's workers")                                     \
-    X("WORLD_SIZE", "workers in the round")                                               \
-    X("LOCAL_WORLD_SIZE", "workers on this node (--nproc-per-node)")                      \
+    X(CTL_ENV_RANK, "global rank of this worker in the round")                            \
+    X(CTL_ENV_LOCAL_RANK, "rank among this node's workers")                               \
+    X(CTL_ENV_WORLD_SIZE, "workers in the round")                                         \
+    X(CTL_ENV_LOCAL_WORLD_SIZE, "workers on this node (--nproc-per-node)")                \
     X("GROUP_RANK", "this node's rank in the round")                                      \
     X("GROUP_WORLD_SIZE", "nodes in the round")                                           \
     X("ROLE_RANK", "as RANK (one role)")                                                  \
@@ -95,6 +95,10 @@
     X(CTL_ENV_NODE_ADDR, "this node's address: workers listen there")                     \
     X(CTL_ENV_FAILPOINTS, "the worker's failpoints (the agent's are not inherited)")
 
+#define CTL_ENV_RANK "RANK"
+#define CTL_ENV_LOCAL_RANK "LOCAL_RANK"
+#define CTL_ENV_WORLD_SIZE "WORLD_SIZE"
+#define CTL_ENV_LOCAL_WORLD_SIZE "LOCAL_WORLD_SIZE"
 #define CTL_ENV "DUCTILE_CONTROL_FD"
 #define CTL_ENV_ENDPOINTS "DUCTILE_ETCD_ENDPOINTS"
 #define CTL_ENV_JOB "DUCTILE_JOB"

@@ -2,7 +2,8 @@
  *
  * A dlog says who writes (a tag such as "agent" or "ductile-train", and the
  * node or rank when there is one), in which format, and from which level
- * up. Each line leaves in one write(2) on stderr, so lines from the agent,
+ * up. Each line leaves in one write(2) on stderr (on stdout for a dlog that
+ * carries progress: to_stdout), so lines from the agent,
  * its workers and its library threads never interleave mid-line.
  *
  *   text:  [TIME ]TAG[WHO] MESSAGE      (TIME when stamped, UTC ISO 8601)
@@ -34,6 +35,7 @@ typedef struct dlog {
     int json;         /* 1: one JSON object per line */
     int stamp;        /* text lines start with the UTC time */
     dlog_level level; /* lines less severe than this are dropped */
+    int to_stdout;    /* progress for a terminal or a pipe: stdout instead of stderr */
 } dlog;
 
 /* Fills lg for tag and node from DUCTILE_LOG_LEVEL and DUCTILE_LOG_FORMAT.
