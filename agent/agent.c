@@ -374,7 +374,7 @@ static int master_publish(agent *a, const rdzv_round *r, int *port)
     return err == RDZV_OK ? 0 : -1;
 }
 
-/* Inplace: tells each kept worker its rank in the new round. */
+/* Inplace: sends every worker the round, with its rank in it, on its control channel. */
 static void send_round(agent *a, const rdzv_member *me, const char *maddr, int mport,
                        const char *prefix)
 {
@@ -477,7 +477,7 @@ static void launch_round(agent *a, const char *maddr, int mport)
     const rdzv_round *rd = &a->round;
     const rdzv_member *me = rdzv_round_self(rd);
     char prefix[320];
-    rdzv_store_prefix(a->o->job, rd->number, prefix, sizeof(prefix)); /* a valid job id fits */
+    (void)rdzv_store_prefix(a->o->job, rd->number, prefix, sizeof(prefix)); /* job id checked */
     if (a->o->inplace && workers_alive(a) == a->o->nproc) {
         send_round(a, me, maddr, mport, prefix);
         a->state = AGENT_RUNNING;

@@ -113,7 +113,8 @@ static void usage(FILE *f)
                "etcd. Every option also comes from its environment variable; the command\n"
                "line wins. Durations are seconds and may have decimals. Worker output is\n"
                "passed through as \"[RANK] line\" (stdout to stdout, stderr to stderr); the\n"
-               "agent's own log lines go to stderr.\n\n");
+               "agent's own log lines go to stderr, those at DUCTILE_LOG_LEVEL (error, warn,\n"
+               "info or debug; default info) or more severe.\n\n");
     for (int i = 0; i < OPT_COUNT; i++) {
         const agent_opt *o = &agent_opt_table[i];
         char left[64];
