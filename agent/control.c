@@ -5,7 +5,10 @@
  * reading at all, and then the line is dropped with a log rather than
  * blocking the agent's loop.
  */
-#include "agent.h"
+#include "workers.h"
+
+#include "ductile/control.h"
+#include "ductile/log.h"
 
 #include <errno.h>
 #include <string.h>
@@ -24,7 +27,7 @@ int agent_ctl_send(agent_worker *w, const ctl_msg *m)
     return sent == n ? 0 : -1;
 }
 
-void agent_ctl_read(agent_worker *w, const agent_logger *lg,
+void agent_ctl_read(agent_worker *w, const dlog *lg,
                     void (*on_msg)(void *ctx, agent_worker *w, const ctl_msg *m), void *ctx)
 {
     char chunk[2048];
@@ -51,11 +54,11 @@ void agent_ctl_read(agent_worker *w, const agent_logger *lg,
                 if (ctl_parse(lb->buf, &m) == 0) {
                     on_msg(ctx, w, &m);
                 } else {
-                    agent_log(lg, "control_invalid", "worker rank %d sent an invalid control line",
+                    dlog_warn(lg, "control_invalid", "worker rank %d sent an invalid control line",
                               w->rank);
                 }
             } else {
-                agent_log(lg, "control_invalid", "worker rank %d sent an overlong control line",
+                dlog_warn(lg, "control_invalid", "worker rank %d sent an overlong control line",
                           w->rank);
             }
             lb->len = 0;

@@ -5,7 +5,10 @@
  * reads a copy of it. /healthz fails when that snapshot goes stale, which is
  * what a liveness probe should catch: a loop that no longer turns.
  */
-#include "agent.h"
+#include "http.h"
+
+#include "ductile/clock.h"
+#include "ductile/rdzv.h"
 
 #include <microhttpd.h>
 #include <pthread.h>
@@ -87,7 +90,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     s = h->snap;
     pthread_mutex_unlock(&h->mu);
     if (strcmp(url, "/healthz") == 0) {
-        if (agent_now() - s.heartbeat > AGENT_HTTP_STALE_S)
+        if (mono_now_s() - s.heartbeat > AGENT_HTTP_STALE_S)
             return reply(c, MHD_HTTP_SERVICE_UNAVAILABLE, "text/plain", "agent loop stalled\n");
         return reply(c, MHD_HTTP_OK, "text/plain", "ok\n");
     }
@@ -114,7 +117,7 @@ agent_http *agent_http_start(int port, char *msg, size_t msglen)
         return NULL;
     }
     pthread_mutex_init(&h->mu, NULL);
-    h->snap.heartbeat = agent_now();
+    h->snap.heartbeat = mono_now_s();
     h->daemon = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
                                  (uint16_t)port, NULL, NULL, handle, h,
                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10, MHD_OPTION_END);

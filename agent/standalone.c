@@ -3,13 +3,15 @@
  * Debian's etcd on two free loopback ports with a fresh mkdtemp data dir. It
  * dies with the agent (PR_SET_PDEATHSIG) even when the agent is killed, and
  * agent_standalone_stop() stops it and removes the dir on every clean exit.
- * Readiness is a range request through the same JSON gateway the rendezvous
- * library uses, with a deadline.
+ * Readiness is a read through the rendezvous library's own etcd client
+ * (etcd.h), with a deadline: a served read means it is up.
  */
-#include "agent.h"
+#include "standalone.h"
+
+#include "ductile/clock.h"
+#include "ductile/etcd.h"
 
 #include <arpa/inet.h>
-#include <curl/curl.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -24,6 +26,8 @@
 #include <unistd.h>
 
 #define AGENT_STANDALONE_START_S 20.0
+/* One readiness probe: a fresh etcd answers in milliseconds. */
+#define AGENT_STANDALONE_PROBE_MS 1000
 
 static int free_port(void)
 {
@@ -39,29 +43,20 @@ static int free_port(void)
     return port;
 }
 
-static size_t discard(void *p, size_t s, size_t n, void *u)
+/* 1 when etcd at endpoint serves a read within timeout_ms (a missing key is
+ * an answer too); 0 while it cannot be reached or is not ready to serve. */
+static int answers(const char *endpoint, int timeout_ms)
 {
-    (void)p;
-    (void)u;
-    return s * n;
-}
-
-static int answers(const char *endpoint)
-{
-    CURL *h = curl_easy_init();
-    if (!h) return 0;
-    char url[128];
-    snprintf(url, sizeof(url), "%s/v3/kv/range", endpoint);
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, "{\"key\":\"Lw==\"}");
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1000L);
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    long code = 0;
-    int ok = curl_easy_perform(h) == CURLE_OK &&
-             curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code) == CURLE_OK && code == 200;
-    curl_easy_cleanup(h);
-    return ok;
+    etcd_config cfg = {.endpoints = endpoint, .timeout_ms = timeout_ms};
+    etcd_client *c = NULL;
+    if (etcd_client_new(&cfg, &c) != ETCD_OK) return 0;
+    etcd_client_set_name(c, "standalone"); /* not counted as the rendezvous' failpoints */
+    etcd_kv kv;
+    memset(&kv, 0, sizeof(kv));
+    etcd_err err = etcd_get(c, "/", &kv);
+    etcd_kv_free(&kv);
+    etcd_client_free(c);
+    return err == ETCD_OK || err == ETCD_ERR_NOT_FOUND;
 }
 
 static int spawn(agent_standalone *s, int client_port, int peer_port, char *msg, size_t msglen)
@@ -99,15 +94,15 @@ static int spawn(agent_standalone *s, int client_port, int peer_port, char *msg,
     }
     s->pid = pid;
     snprintf(s->endpoint, sizeof(s->endpoint), "%s", client);
-    double deadline = agent_now() + AGENT_STANDALONE_START_S;
-    while (agent_now() < deadline) {
+    double deadline = mono_now_s() + AGENT_STANDALONE_START_S;
+    while (mono_now_s() < deadline) {
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {
             s->pid = 0;
             snprintf(msg, msglen, "private etcd exited at start (see %s)", log);
             return -1;
         }
-        if (answers(s->endpoint)) return 0;
+        if (answers(s->endpoint, AGENT_STANDALONE_PROBE_MS)) return 0;
         usleep(50 * 1000);
     }
     snprintf(msg, msglen, "private etcd did not answer within %.0f s", AGENT_STANDALONE_START_S);
@@ -154,9 +149,9 @@ void agent_standalone_stop(agent_standalone *s)
 {
     if (s->pid > 0) {
         kill(s->pid, SIGTERM);
-        double deadline = agent_now() + 5.0;
+        double deadline = mono_now_s() + 5.0;
         int st;
-        while (waitpid(s->pid, &st, WNOHANG) == 0 && agent_now() < deadline)
+        while (waitpid(s->pid, &st, WNOHANG) == 0 && mono_now_s() < deadline)
             usleep(20 * 1000);
         kill(s->pid, SIGKILL);
         waitpid(s->pid, NULL, 0);

@@ -7,7 +7,9 @@
  * when it does not exist: state "none"), 1 when etcd could not be read, 2 on
  * bad flags.
  */
-#include "agent.h"
+#include "status.h"
+
+#include "ductile/rdzv.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -96,7 +98,7 @@ int agent_status_main(int argc, char **argv)
     }
     rdzv_status st;
     memset(&st, 0, sizeof(st));
-    char msg[256] = "";
+    char msg[RDZV_MSG_MAX] = "";
     rdzv_err err = rdzv_get_status(&etcd, job, &st, msg);
     if (err != RDZV_OK) {
         fprintf(stderr, "ductile-agent status: %s: %s\n", rdzv_strerror(err), msg);

@@ -8,7 +8,9 @@
  * built before fork(): between fork and exec only async-signal-safe calls run,
  * because the agent has other threads (rendezvous driver, HTTP server).
  */
-#include "agent.h"
+#include "workers.h"
+
+#include "ductile/control.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -24,31 +26,10 @@
 
 extern char **environ;
 
-/* Names the agent sets; inherited values of these are dropped. */
-static const char *const agent_env_names[] = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_RUN_ID",
-    "DUCTILE_ETCD_ENDPOINTS",
-    "DUCTILE_JOB",
-    "DUCTILE_ROUND",
-    "DUCTILE_STORE_PREFIX",
-    "DUCTILE_CONTROL_FD",
-    "DUCTILE_NODE_ADDR",
-    "DUCTILE_FAILPOINTS", /* the agent's own; workers get DUCTILE_WORKER_FAILPOINTS */
-    NULL,
-};
+/* Names the agent sets (control.h); inherited values of these are dropped. */
+#define AGENT_ENV_NAME(name, what) name,
+static const char *const agent_env_names[] = {CTL_ENV_VARS(AGENT_ENV_NAME) NULL};
+#undef AGENT_ENV_NAME
 
 static int env_is_ours(const char *entry)
 {
@@ -124,23 +105,21 @@ static char **env_build(const agent_round_env *r, int lr)
     bad |= env_add(env, &n, "TORCHELASTIC_RESTART_COUNT", "%lld", (long long)r->restarts);
     bad |= env_add(env, &n, "TORCHELASTIC_MAX_RESTARTS", "%d", r->max_restarts);
     bad |= env_add(env, &n, "TORCHELASTIC_RUN_ID", "%s", r->job);
-    bad |= env_add(env, &n, "DUCTILE_ETCD_ENDPOINTS", "%s", r->endpoints);
-    bad |= env_add(env, &n, "DUCTILE_JOB", "%s", r->job);
-    bad |= env_add(env, &n, "DUCTILE_ROUND", "%lld", (long long)r->round);
-    bad |= env_add(env, &n, "DUCTILE_STORE_PREFIX", "%s", r->store_prefix);
-    bad |= env_add(env, &n, "DUCTILE_CONTROL_FD", "3");
-    if (r->node_addr) bad |= env_add(env, &n, "DUCTILE_NODE_ADDR", "%s", r->node_addr);
+    bad |= env_add(env, &n, CTL_ENV_ENDPOINTS, "%s", r->etcd.endpoints);
+    bad |= env_add(env, &n, CTL_ENV_JOB, "%s", r->job);
+    bad |= env_add(env, &n, CTL_ENV_ROUND, "%lld", (long long)r->round);
+    bad |= env_add(env, &n, CTL_ENV_STORE_PREFIX, "%s", r->store_prefix);
+    bad |= env_add(env, &n, CTL_ENV, "3");
+    if (r->node_addr) bad |= env_add(env, &n, CTL_ENV_NODE_ADDR, "%s", r->node_addr);
     const char *fp = getenv("DUCTILE_WORKER_FAILPOINTS");
-    if (fp && *fp) bad |= env_add(env, &n, "DUCTILE_FAILPOINTS", "%s", fp);
+    if (fp && *fp) bad |= env_add(env, &n, CTL_ENV_FAILPOINTS, "%s", fp);
     /* One thread per worker unless the user chose: K workers share the node. */
     if (r->local_world_size > 1 && !env_has(env, n, "OMP_NUM_THREADS"))
         bad |= env_add(env, &n, "OMP_NUM_THREADS", "1");
-    /* The store needs the same etcd credentials as the agent. */
-    const char *names[] = {"DUCTILE_ETCD_CACERT", "DUCTILE_ETCD_CERT", "DUCTILE_ETCD_KEY",
-                           "DUCTILE_ETCD_USER", "DUCTILE_ETCD_PASSWORD"};
-    const char *vals[] = {r->cacert, r->cert, r->key, r->user, r->password};
-    for (int i = 0; i < 5; i++)
-        if (vals[i] && !env_has(env, n, names[i])) bad |= env_add(env, &n, names[i], "%s", vals[i]);
+#define AGENT_ENV_CREDENTIAL(name, field)                                                          \
+    if (r->etcd.field && !env_has(env, n, name)) bad |= env_add(env, &n, name, "%s", r->etcd.field);
+    CTL_ENV_CREDENTIALS(AGENT_ENV_CREDENTIAL) /* the store needs the agent's etcd credentials */
+#undef AGENT_ENV_CREDENTIAL
     env[n] = NULL;
     if (bad) goto err;
     return env;

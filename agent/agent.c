@@ -1,0 +1,995 @@
+/* agent.c: one node's round state machine, run by one poll() loop.
+ *
+ * Everything the agent reacts to is a file descriptor in one poll(): a
+ * signalfd (SIGTERM, SIGINT, SIGCHLD), the rendezvous library's event fd,
+ * the MASTER_PORT wait's pipe, and each worker's stdout, stderr and control
+ * socket. Nothing blocks the loop: every wait has a deadline (the SIGKILL
+ * after a grace, the shutdown budget), kept in the agent and turned into the
+ * poll timeout. The round state machine:
+ *
+ *   RDZV --frozen--> RUNNING --round ended / worker failed--> STOPPING --all gone--> RDZV
+ *     (inplace: a round end keeps the workers and goes straight back to RDZV)
+ *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
+ */
+#include "agent.h"
+#include "http.h"
+#include "options.h"
+#include "standalone.h"
+#include "workers.h"
+
+#include "ductile/clock.h"
+#include "ductile/control.h"
+#include "ductile/log.h"
+#include "ductile/rdzv.h"
+
+#include <arpa/inet.h>
+#include <curl/curl.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef enum {
+    AGENT_RDZV,     /* waiting for a round (inplace: workers may be alive and idle) */
+    AGENT_RUNNING,  /* workers running in a frozen round */
+    AGENT_STOPPING, /* stopping workers; then the next round, or exit */
+    AGENT_SHUTDOWN, /* SIGTERM: workers finishing their step; then leave, exit 0 */
+    AGENT_DRAINING, /* the job completed elsewhere: let local workers finish */
+} agent_state;
+
+typedef struct agent {
+    const agent_opts *o;
+    dlog lg;
+    rdzv_etcd etcd;
+    rdzv_config cfg; /* kept to register again after a lost lease */
+    rdzv *rz;
+    agent_http *http;
+    agent_standalone sa;
+    int sigfd;
+    agent_workers ws;
+    rdzv_round round; /* current or last round; number 0 = none yet */
+    int in_round;     /* round is frozen and has not ended */
+    rdzv_round pending;
+    int have_pending;
+    agent_state state;
+    int exit_after_stop; /* -1: go on to the next round, else the exit code */
+    int job_done;        /* the job completed (JOB_DONE seen, or marked by this agent) */
+    double kill_at;      /* SIGKILL workers still alive at this time (0: none) */
+    double give_up_at;   /* stop waiting for workers at this time (0: none) */
+    int failure_reported;
+    int64_t restarts;
+    int64_t changes[RDZV_CAUSE_COUNT];
+    char why[400]; /* why the next round happens, for its "frozen" line */
+    int mw_fd;     /* MASTER_PORT wait for round mw_round: its result pipe, or -1 */
+    int64_t mw_round;
+    atomic_int mw_threads; /* wait threads still running (a forgotten one ends by itself) */
+    int64_t started;       /* newest round taken: an older or equal FROZEN is stale */
+    int done;
+    int exit_code;
+    int signals;
+    unsigned ws_gen; /* bumped when the worker array is replaced or freed */
+} agent;
+
+static void agent_finish(agent *a, int code, const char *how)
+{
+    if (a->done) return;
+    if (a->rz) {
+        rdzv_err err = rdzv_leave(a->rz);
+        if (err != RDZV_OK && err != RDZV_ERR_CLOSED)
+            dlog_warn(&a->lg, "leave_failed", "could not leave the job cleanly: %s",
+                      rdzv_strerror(err));
+    }
+    dlog_write(&a->lg, code == 0 ? DLOG_INFO : DLOG_ERROR, code == 0 ? "exit" : "exit_failed",
+               "exiting with code %d: %s", code, how);
+    a->exit_code = code;
+    a->done = 1;
+}
+
+static int workers_alive(const agent *a)
+{
+    return a->ws.w ? a->ws.alive : 0;
+}
+
+/* SIGTERM to every worker, SIGKILL after grace_ms. */
+static void stop_workers(agent *a, int grace_ms)
+{
+    if (!workers_alive(a)) return;
+    agent_workers_signal(&a->ws, SIGTERM);
+    a->kill_at = mono_now_s() + grace_ms / 1000.0;
+    a->give_up_at = 0;
+}
+
+static void start_round(agent *a, rdzv_round *r);
+
+/* Every worker is reaped: decide what comes next. */
+static void on_workers_gone(agent *a)
+{
+    if (a->ws.w) agent_workers_free(&a->ws);
+    a->ws_gen++;
+    a->kill_at = a->give_up_at = 0;
+    switch (a->state) {
+    case AGENT_SHUTDOWN:
+        /* The job goes on without this node: under a Kubernetes Job its pod
+         * must not count as a completed index (--leave-exit-code). */
+        if (a->job_done)
+            agent_finish(a, AGENT_EXIT_OK, "stopped by signal; the job is complete");
+        else
+            agent_finish(a, a->o->leave_exit_code, "stopped by signal; left the job");
+        return;
+    case AGENT_DRAINING:
+        agent_finish(a, 0, "job complete");
+        return;
+    case AGENT_STOPPING:
+        if (a->exit_after_stop >= 0) {
+            agent_finish(a, a->exit_after_stop, a->why);
+            return;
+        }
+        if (a->job_done) { /* the job completed while these workers stopped */
+            agent_finish(a, AGENT_EXIT_OK, "job complete");
+            return;
+        }
+        a->state = AGENT_RDZV;
+        if (a->have_pending) {
+            rdzv_round r = a->pending;
+            a->have_pending = 0;
+            start_round(a, &r);
+        }
+        return;
+    default:
+        a->state = AGENT_RDZV;
+        return;
+    }
+}
+
+/* Tells etcd why the round ends (see rdzv.h, the failure-counting rule):
+ * first_hand for a crash of this node's worker, else a lost peer. A report
+ * that cannot be made ends the agent: it must not idle, healthy-looking,
+ * in a round nobody else knows is broken. */
+static void report_failure(agent *a, const char *reason, int first_hand)
+{
+    if (a->failure_reported) return;
+    a->failure_reported = 1;
+    int64_t restarts = a->restarts;
+    int counted = first_hand;
+    rdzv_err err = first_hand ? rdzv_report_failure(a->rz, reason, &restarts)
+                              : rdzv_report_peer_lost(a->rz, reason, &restarts, &counted);
+    if (err == RDZV_OK) {
+        a->restarts = restarts;
+        if (counted)
+            dlog_warn(&a->lg, "failure_reported",
+                      "failure recorded: job-wide restarts now %lld of %d", (long long)restarts,
+                      a->round.max_restarts);
+        else
+            dlog_info(&a->lg, "peer_lost_reported",
+                      "lost peer recorded as a membership change (restarts stay %lld of %d)",
+                      (long long)restarts, a->round.max_restarts);
+    } else if (err == RDZV_ERR_JOB_FAILED) {
+        a->restarts = restarts;
+        snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %s)",
+                 a->round.max_restarts, reason);
+        a->exit_after_stop = AGENT_EXIT_JOB_FAILED;
+    } else if (err != RDZV_ERR_JOB_DONE && err != RDZV_ERR_CLOSED) {
+        snprintf(a->why, sizeof(a->why), "could not record in etcd that the round ended (%s): %s",
+                 reason, rdzv_strerror(err));
+        dlog_error(&a->lg, "failure_report_failed", "%s; exiting", a->why);
+        a->exit_after_stop = 1;
+        a->in_round = 0;
+        if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) agent_finish(a, 1, a->why);
+    }
+}
+
+/* A worker of this node failed (exited non-zero, was killed, or reported a
+ * failure or a lost peer in restart mode): stop the rest and end the round,
+ * as a failure when first_hand. */
+static void worker_failed(agent *a, const char *reason, int first_hand)
+{
+    dlog_warn(&a->lg, "worker_failed", "round %lld: %s; stopping the other workers",
+              (long long)a->round.number, reason);
+    if (a->state != AGENT_SHUTDOWN) {
+        a->state = AGENT_STOPPING;
+        if (a->exit_after_stop < 0) snprintf(a->why, sizeof(a->why), "failure: %s", reason);
+    }
+    stop_workers(a, a->o->stop_grace_ms);
+    a->in_round = 0;
+    report_failure(a, reason, first_hand);
+    if (!workers_alive(a) && !a->done) on_workers_gone(a);
+}
+
+static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
+{
+    agent *a = ctx;
+    switch (m->type) {
+    case CTL_READY:
+        w->ready = 1;
+        break;
+    case CTL_STEP:
+        w->step = m->step;
+        break;
+    case CTL_FAILED:
+    case CTL_PEER_LOST: {
+        int first_hand = m->type == CTL_FAILED;
+        char reason[600];
+        snprintf(reason, sizeof(reason), "worker rank %d %s: %s", w->rank,
+                 first_hand ? "reported" : "lost a peer", m->reason);
+        /* A lost peer of a round this node has left is old news. */
+        if (!first_hand && (!a->in_round || m->round != a->round.number)) break;
+        if (a->state != AGENT_RUNNING) break;
+        if (a->o->inplace) {
+            /* The worker keeps its process; the round ends for everyone. */
+            dlog_warn(&a->lg, first_hand ? "worker_reported_failure" : "worker_lost_peer",
+                      "round %lld: %s", (long long)a->round.number, reason);
+            report_failure(a, reason, first_hand);
+        } else {
+            worker_failed(a, reason, first_hand);
+        }
+        break;
+    }
+    default:
+        dlog_warn(&a->lg, "control_invalid", "worker rank %d sent an agent-only message", w->rank);
+        break;
+    }
+}
+
+/* MASTER_ADDR is node rank 0's address; MASTER_PORT a free port node rank 0
+ * picks and publishes in the round store, which the others wait for. The
+ * wait runs on a thread of its own, so the loop goes on serving signals,
+ * reaping and output meanwhile; the thread owns a copy of everything it
+ * uses and answers through a pipe, so the agent can forget a wait whose
+ * round is over without waiting for it. */
+typedef struct master_wait {
+    int fd;            /* write end */
+    atomic_int *alive; /* the agent's count of wait threads still running */
+    int timeout_ms;
+    int64_t round;
+    char job[64];
+    char endpoints[1024];
+    char *cred[5]; /* cacert, cert, key, user, password */
+} master_wait;
+
+static void master_wait_free(master_wait *mw)
+{
+    if (mw->fd >= 0) close(mw->fd);
+    for (int i = 0; i < 5; i++)
+        free(mw->cred[i]);
+    free(mw);
+}
+
+static void *master_wait_main(void *arg)
+{
+    master_wait *mw = arg;
+    rdzv_etcd etcd = {.endpoints = mw->endpoints,
+                      .cacert = mw->cred[0],
+                      .cert = mw->cred[1],
+                      .key = mw->cred[2],
+                      .user = mw->cred[3],
+                      .password = mw->cred[4]};
+    rdzv_store *st = NULL;
+    char line[400];
+    void *v = NULL;
+    size_t len = 0;
+    int port = 0;
+    rdzv_err err = rdzv_store_open(&etcd, mw->job, mw->round, &st);
+    if (err == RDZV_OK) err = rdzv_store_wait(st, "master_port", mw->timeout_ms, &v, &len);
+    if (err == RDZV_OK && agent_parse_int((const char *)v, 1, 65535, &port) != 0)
+        err = RDZV_ERR_PROTOCOL;
+    if (err == RDZV_OK)
+        snprintf(line, sizeof(line), "ok %d\n", port);
+    else
+        snprintf(line, sizeof(line), "%d %s%s%s\n", (int)err, rdzv_strerror(err),
+                 st && rdzv_store_last_error(st)[0] ? ": " : "",
+                 st ? rdzv_store_last_error(st) : "");
+    free(v);
+    rdzv_store_close(st);
+    /* A closed read end (the round is over) just fails the write. */
+    ssize_t ignored = write(mw->fd, line, strlen(line));
+    (void)ignored;
+    atomic_int *alive = mw->alive;
+    master_wait_free(mw);
+    atomic_fetch_sub(alive, 1);
+    return NULL;
+}
+
+static void master_wait_cancel(agent *a)
+{
+    if (a->mw_fd >= 0) close(a->mw_fd);
+    a->mw_fd = -1;
+}
+
+/* Starts waiting for round r's MASTER_PORT; 0 on success. */
+static int master_wait_start(agent *a, const rdzv_round *r)
+{
+    master_wait_cancel(a);
+    master_wait *mw = calloc(1, sizeof(*mw));
+    int p[2] = {-1, -1};
+    if (!mw || pipe2(p, O_CLOEXEC) != 0) {
+        free(mw);
+        return -1;
+    }
+    mw->fd = p[1];
+    mw->round = r->number;
+    /* Bounded by the lease TTL: node rank 0 publishes right after the
+     * freeze, and if it died its lease ends the round (which ends this wait
+     * at once: the store's wait fails when its round is superseded). */
+    mw->timeout_ms = a->o->lease_ttl_s * 1000 + 5000;
+    snprintf(mw->job, sizeof(mw->job), "%s", a->o->job);
+    snprintf(mw->endpoints, sizeof(mw->endpoints), "%s", a->etcd.endpoints);
+    const char *cred[5] = {a->o->cacert, a->o->cert, a->o->key, a->o->user, a->o->password};
+    int bad = 0;
+    for (int i = 0; i < 5; i++)
+        if (cred[i] && !(mw->cred[i] = strdup(cred[i]))) bad = 1;
+    pthread_t th;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    mw->alive = &a->mw_threads;
+    atomic_fetch_add(&a->mw_threads, 1);
+    if (bad || pthread_create(&th, &at, master_wait_main, mw) != 0) {
+        atomic_fetch_sub(&a->mw_threads, 1);
+        pthread_attr_destroy(&at);
+        close(p[0]);
+        master_wait_free(mw);
+        return -1;
+    }
+    pthread_attr_destroy(&at);
+    a->mw_fd = p[0];
+    a->mw_round = r->number;
+    return 0;
+}
+
+/* Node rank 0: picks a free port and publishes it in the round store. */
+static int master_publish(agent *a, const rdzv_round *r, int *port)
+{
+    rdzv_store *st = NULL;
+    rdzv_err err = rdzv_store_open(&a->etcd, a->o->job, r->number, &st);
+    if (err == RDZV_OK) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
+        socklen_t len = sizeof(sa);
+        if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+            getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+            *port = ntohs(sa.sin_port);
+        if (fd >= 0) close(fd);
+        char val[16];
+        int n = snprintf(val, sizeof(val), "%d", *port);
+        err = rdzv_store_set(st, "master_port", val, (size_t)n);
+    }
+    if (err != RDZV_OK)
+        dlog_warn(&a->lg, "master_port_failed", "round %lld: cannot publish MASTER_PORT: %s%s%s",
+                  (long long)r->number, rdzv_strerror(err),
+                  st && rdzv_store_last_error(st)[0] ? ": " : "",
+                  st ? rdzv_store_last_error(st) : "");
+    rdzv_store_close(st);
+    return err == RDZV_OK ? 0 : -1;
+}
+
+/* Inplace: sends every worker the round, with its rank in it, on its control channel. */
+static void send_round(agent *a, const rdzv_member *me, const char *maddr, int mport,
+                       const char *prefix)
+{
+    const rdzv_round *r = &a->round;
+    for (int i = 0; i < a->ws.n; i++) {
+        agent_worker *w = &a->ws.w[i];
+        w->rank = me->first_global_rank + w->local_rank;
+        w->failed_reported = 0;
+        w->ready = 0;
+        ctl_msg m = {.type = CTL_ROUND,
+                     .round = r->number,
+                     .rank = w->rank,
+                     .world_size = r->world_size,
+                     .local_rank = w->local_rank,
+                     .group_rank = r->my_rank,
+                     .group_world_size = r->nmembers,
+                     .restarts = r->restarts,
+                     .master_port = mport};
+        snprintf(m.master_addr, sizeof(m.master_addr), "%s", maddr);
+        snprintf(m.store_prefix, sizeof(m.store_prefix), "%s", prefix);
+        if (!w->exited && agent_ctl_send(w, &m) != 0)
+            dlog_warn(&a->lg, "control_failed", "cannot send round %lld to worker rank %d",
+                      (long long)r->number, w->rank);
+    }
+}
+
+static void launch_round(agent *a, const char *maddr, int mport);
+
+/* A round froze with this node in it: take it, learn its MASTER_PORT (node
+ * rank 0 publishes it; the others wait on a thread) and run the workers. */
+static void start_round(agent *a, rdzv_round *r)
+{
+    master_wait_cancel(a);
+    rdzv_round_free(&a->round);
+    a->round = *r;
+    memset(r, 0, sizeof(*r));
+    a->in_round = 1;
+    a->failure_reported = 0;
+    a->restarts = a->round.restarts;
+    a->started = a->round.number;
+    const rdzv_round *rd = &a->round;
+    if (!rdzv_round_self(rd)) {
+        dlog_error(&a->lg, "round_invalid", "round %lld froze without this node",
+                   (long long)rd->number);
+        a->in_round = 0;
+        return;
+    }
+    dlog_info(&a->lg, "round_frozen",
+              "round %lld frozen: %d nodes, world size %d, rank %d, restarts %lld of %d (%s)",
+              (long long)rd->number, rd->nmembers, rd->world_size, rd->my_rank,
+              (long long)rd->restarts, rd->max_restarts, a->why[0] ? a->why : "first round");
+    a->why[0] = 0;
+    const rdzv_member *m0 = &rd->members[0]; /* members are sorted by rank */
+    int mport = 0;
+    if (rd->my_rank == 0) {
+        if (master_publish(a, rd, &mport) != 0) {
+            /* etcd failed under us: the round cannot start; others wait for
+             * a port that will not come, so end it for everyone. */
+            report_failure(a, "node rank 0 could not publish MASTER_PORT", 0);
+            a->in_round = 0;
+            return;
+        }
+        launch_round(a, m0->addr, mport);
+        return;
+    }
+    if (master_wait_start(a, rd) != 0) {
+        report_failure(a, "cannot start waiting for MASTER_PORT", 1);
+        a->in_round = 0;
+    }
+}
+
+/* The MASTER_PORT wait answered: go on with the round if it still stands. */
+static void on_master_wait(agent *a)
+{
+    char line[400];
+    ssize_t n = read(a->mw_fd, line, sizeof(line) - 1);
+    int64_t round = a->mw_round;
+    master_wait_cancel(a);
+    if (!a->in_round || a->round.number != round || a->state != AGENT_RDZV) return;
+    line[n > 0 ? n : 0] = 0;
+    line[strcspn(line, "\n")] = 0;
+    int port = 0;
+    if (strncmp(line, "ok ", 3) == 0 && agent_parse_int(line + 3, 1, 65535, &port) == 0) {
+        launch_round(a, a->round.members[0].addr, port); /* members are sorted by rank */
+        return;
+    }
+    const char *why = strchr(line, ' ');
+    dlog_warn(&a->lg, "master_port_failed", "round %lld: no MASTER_PORT: %s", (long long)round,
+              why ? why + 1 : "the wait ended without an answer");
+    /* Superseded: the round's end is on its way as an event. */
+    if (atoi(line) == RDZV_ERR_FENCED) return;
+    /* Node rank 0 is alive (a dead one ends the round, and this wait with
+     * it) but did not publish: a lost peer, counted if it happens again. */
+    report_failure(a, "node rank 0 did not publish MASTER_PORT", 0);
+    a->in_round = 0;
+}
+
+static void launch_round(agent *a, const char *maddr, int mport)
+{
+    const rdzv_round *rd = &a->round;
+    const rdzv_member *me = rdzv_round_self(rd);
+    char prefix[320];
+    (void)rdzv_store_prefix(a->o->job, rd->number, prefix, sizeof(prefix)); /* job id checked */
+    if (a->o->inplace && workers_alive(a) == a->o->nproc) {
+        send_round(a, me, maddr, mport, prefix);
+        a->state = AGENT_RUNNING;
+        dlog_info(&a->lg, "workers_kept", "round %lld: %d workers kept, ranks %d..%d",
+                  (long long)rd->number, a->o->nproc, me->first_global_rank,
+                  me->first_global_rank + a->o->nproc - 1);
+        return;
+    }
+    agent_round_env env = {.round = rd->number,
+                           .world_size = rd->world_size,
+                           .group_rank = rd->my_rank,
+                           .group_world_size = rd->nmembers,
+                           .first_rank = me->first_global_rank,
+                           .local_world_size = a->o->nproc,
+                           .master_addr = maddr,
+                           .master_port = mport,
+                           .node_addr = a->o->node_addr,
+                           .restarts = rd->restarts,
+                           .max_restarts = rd->max_restarts,
+                           .job = a->o->job,
+                           .role = a->o->role,
+                           .store_prefix = prefix,
+                           .etcd = a->etcd};
+    char msg[AGENT_MSG_MAX];
+    if (agent_workers_spawn(&a->ws, &env, a->o->cmd, msg, sizeof(msg)) != 0) {
+        dlog_error(&a->lg, "spawn_failed", "round %lld: cannot start workers: %s",
+                   (long long)rd->number, msg);
+        a->state = AGENT_RDZV;
+        a->in_round = 0;
+        report_failure(a, msg, 1);
+        return;
+    }
+    a->ws_gen++;
+    a->state = AGENT_RUNNING;
+    dlog_info(&a->lg, "workers_started", "round %lld: started %d workers, ranks %d..%d",
+              (long long)rd->number, a->o->nproc, me->first_global_rank,
+              me->first_global_rank + a->o->nproc - 1);
+    /* In inplace mode a fresh worker also gets the round on its channel, so
+     * a trainer reads its round the same way every time. */
+    if (a->o->inplace) send_round(a, me, maddr, mport, prefix);
+}
+
+static void describe_end(const rdzv_event *ev, char *out, size_t len)
+{
+    const char *node = ev->node[0] ? ev->node : "?";
+    /* The library's reason usually names the node already: then it says it all. */
+    if (ev->reason[0] && ev->node[0] && strstr(ev->reason, ev->node)) {
+        snprintf(out, len, "%s", ev->reason);
+        return;
+    }
+    const char *sep = ev->reason[0] ? ": " : "";
+    switch (ev->cause) {
+    case RDZV_CAUSE_MEMBER_LOST:
+        snprintf(out, len, "member %s lost%s%s", node, sep, ev->reason);
+        break;
+    case RDZV_CAUSE_MEMBER_LEFT:
+        snprintf(out, len, "member %s left%s%s", node, sep, ev->reason);
+        break;
+    case RDZV_CAUSE_NODE_WAITING:
+        snprintf(out, len, "node %s waiting and the round has room", node);
+        break;
+    case RDZV_CAUSE_FAILURE:
+        snprintf(out, len, "failure on %s%s%s", node, sep, ev->reason);
+        break;
+    default:
+        snprintf(out, len, "%s", ev->reason[0] ? ev->reason : "unknown cause");
+        break;
+    }
+}
+
+/* The round this node was in is over: in place, the workers end their step
+ * and wait for the next round (graceful: every member is alive, so the step
+ * in flight finishes; else its collectives are abandoned now); by restart,
+ * they are stopped. */
+static void leave_round(agent *a, int64_t round_number, int graceful)
+{
+    a->in_round = 0;
+    master_wait_cancel(a);
+    if (a->state != AGENT_RUNNING) return;
+    if (a->o->inplace) {
+        ctl_msg m = {.type = CTL_ABORT, .round = round_number, .graceful = graceful};
+        for (int i = 0; i < a->ws.n; i++)
+            if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+        a->state = AGENT_RDZV;
+    } else {
+        a->state = AGENT_STOPPING;
+        a->exit_after_stop = -1;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) on_workers_gone(a);
+    }
+}
+
+/* This node's lease expired (etcd was unreachable past the TTL, or the node
+ * was stalled or cut off): the others have gone on without it, but the job
+ * has not ended. Register again under a new lease and join the next round
+ * as a newcomer; the old round is over for this node, and its workers never
+ * write as that round again (the store and checkpoints are fenced). Returns
+ * 0 when registering again fails, and the caller gives up as before. */
+static int rejoin(agent *a, const rdzv_event *ev)
+{
+    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
+        return 0;
+    rdzv *fresh = NULL;
+    char msg[RDZV_MSG_MAX] = "";
+    rdzv_err err = rdzv_open(&a->cfg, &fresh, msg);
+    if (err != RDZV_OK) {
+        dlog_error(&a->lg, "rejoin_failed", "lease lost (%s) and could not register again: %s%s%s",
+                   ev->reason, rdzv_strerror(err), msg[0] ? ": " : "", msg);
+        return 0;
+    }
+    rdzv_close(a->rz);
+    a->rz = fresh;
+    a->changes[RDZV_CAUSE_MEMBER_LOST]++;
+    dlog_warn(&a->lg, "rejoin",
+              "round %lld left: lease lost (%s); registered again, joining the next round",
+              (long long)a->round.number, ev->reason);
+    snprintf(a->why, sizeof(a->why), "this node's lease was lost and it joined again");
+    leave_round(a, a->round.number, 0);
+    return 1;
+}
+
+static void on_event(agent *a, rdzv_event *ev)
+{
+    char what[400];
+    switch (ev->type) {
+    case RDZV_EV_FROZEN:
+        if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
+            break;
+        if (ev->round.number <= a->started) {
+            /* Never act on a round twice, nor go back to an older one. */
+            dlog_warn(&a->lg, "round_stale", "round %lld reported again after round %lld: ignored",
+                      (long long)ev->round.number, (long long)a->started);
+            break;
+        }
+        if (a->state == AGENT_RUNNING && !a->o->inplace && workers_alive(a)) {
+            /* A newer round without an end of ours first: ours is over too. */
+            dlog_info(&a->lg, "round_superseded", "round %lld superseded by round %lld",
+                      (long long)a->round.number, (long long)ev->round.number);
+            a->state = AGENT_STOPPING;
+            a->exit_after_stop = -1;
+            a->in_round = 0;
+            stop_workers(a, a->o->stop_grace_ms);
+        }
+        if (a->state == AGENT_STOPPING && workers_alive(a)) {
+            if (a->have_pending) rdzv_round_free(&a->pending);
+            a->pending = ev->round;
+            a->have_pending = 1;
+            memset(&ev->round, 0, sizeof(ev->round));
+        } else {
+            start_round(a, &ev->round);
+        }
+        break;
+    case RDZV_EV_ROUND_ENDED:
+        if (ev->cause > 0 && ev->cause < RDZV_CAUSE_COUNT) a->changes[ev->cause]++;
+        describe_end(ev, what, sizeof(what));
+        dlog_info(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
+        snprintf(a->why, sizeof(a->why), "%s", what);
+        leave_round(a, ev->round_number,
+                    ev->cause == RDZV_CAUSE_NODE_WAITING || ev->cause == RDZV_CAUSE_MEMBER_LEFT);
+        break;
+    case RDZV_EV_SPARE:
+        dlog_info(&a->lg, "spare", "the round is full: waiting as a hot spare");
+        break;
+    case RDZV_EV_JOB_DONE:
+        a->job_done = 1;
+        dlog_info(&a->lg, "job_done", "the job is complete");
+        a->in_round = 0;
+        if (workers_alive(a) && a->state != AGENT_SHUTDOWN && a->state != AGENT_STOPPING) {
+            a->state = AGENT_DRAINING;
+            a->give_up_at = mono_now_s() + a->o->shutdown_timeout_ms / 1000.0;
+        } else if (!workers_alive(a)) {
+            agent_finish(a, 0, "job complete");
+        }
+        break;
+    case RDZV_EV_JOB_FAILED:
+    case RDZV_EV_ERROR:
+        if (ev->type == RDZV_EV_ERROR && ev->err == RDZV_ERR_LEASE_LOST && rejoin(a, ev)) break;
+        if (ev->type == RDZV_EV_JOB_FAILED)
+            snprintf(a->why, sizeof(a->why), "job failed: %s", ev->reason);
+        else
+            snprintf(a->why, sizeof(a->why), "rendezvous error: %s: %s", rdzv_strerror(ev->err),
+                     ev->reason);
+        dlog_error(&a->lg, ev->type == RDZV_EV_JOB_FAILED ? "job_failed" : "rdzv_error", "%s",
+                   a->why);
+        a->in_round = 0;
+        if (a->state == AGENT_SHUTDOWN) break;
+        a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
+                             : ev->err == RDZV_ERR_LEASE_LOST ? AGENT_EXIT_DROPPED
+                                                              : AGENT_EXIT_ERROR;
+        if (workers_alive(a)) {
+            a->state = AGENT_STOPPING;
+            stop_workers(a, a->o->stop_grace_ms);
+        } else {
+            agent_finish(a, a->exit_after_stop, a->why);
+        }
+        break;
+    }
+}
+
+/* SIGTERM/SIGINT: workers finish their step and save, then leave, exit 0.
+ * The workers get the shutdown budget less what leaving may take. */
+static void begin_shutdown(agent *a, const char *sig)
+{
+    a->signals++;
+    if (a->signals > 1) {
+        dlog_info(&a->lg, "signal", "%s again: killing workers now", sig);
+        agent_workers_signal(&a->ws, SIGKILL);
+        return;
+    }
+    int budget = a->o->shutdown_timeout_ms;
+    int reserve = budget / 4 < 5000 ? budget / 4 : 5000;
+    dlog_info(&a->lg, "signal", "%s: stopping workers (they have %.1f s), then leaving", sig,
+              (budget - reserve) / 1000.0);
+    a->state = AGENT_SHUTDOWN;
+    a->in_round = 0;
+    master_wait_cancel(a);
+    if (a->have_pending) rdzv_round_free(&a->pending);
+    a->have_pending = 0;
+    ctl_msg m = {.type = CTL_STOP};
+    for (int i = 0; i < a->ws.n; i++)
+        if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+    stop_workers(a, budget - reserve);
+    if (!workers_alive(a)) on_workers_gone(a);
+}
+
+static void on_reaped(agent *a, pid_t pid, int status)
+{
+    if (pid == a->sa.pid) {
+        a->sa.pid = 0;
+        snprintf(a->why, sizeof(a->why), "the private etcd exited (status %d)", status);
+        dlog_error(&a->lg, "etcd_exited", "%s", a->why);
+        a->exit_after_stop = 1;
+        if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) agent_finish(a, 1, a->why);
+        return;
+    }
+    if (!a->ws.w) return;
+    agent_worker *w = agent_workers_reaped(&a->ws, pid, status);
+    if (!w) return;
+    char how[96];
+    agent_worker_describe(w, how, sizeof(how));
+    int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (a->state == AGENT_RUNNING || (a->state == AGENT_RDZV && a->o->inplace)) {
+        if (!ok) {
+            char reason[300];
+            snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
+            /* First-hand unless the agent itself signalled it, or the
+             * worker's status says it lost a peer. */
+            int lost = WIFEXITED(status) && WEXITSTATUS(status) == CTL_EXIT_PEER_LOST;
+            if (lost)
+                snprintf(reason, sizeof(reason), "worker rank %d lost a peer (exit status %d)",
+                         w->rank, CTL_EXIT_PEER_LOST);
+            worker_failed(a, reason, !w->signalled && !lost);
+            return;
+        }
+        if (workers_alive(a) == 0) {
+            int all_ok = 1;
+            for (int i = 0; i < a->ws.n; i++)
+                all_ok &= WIFEXITED(a->ws.w[i].status) && WEXITSTATUS(a->ws.w[i].status) == 0;
+            if (all_ok) {
+                dlog_info(&a->lg, "workers_done", "round %lld: all %d workers exited 0",
+                          (long long)a->round.number, a->ws.n);
+                rdzv_err err = rdzv_finish(a->rz);
+                agent_workers_free(&a->ws);
+                a->ws_gen++;
+                a->in_round = 0;
+                if (err == RDZV_OK || err == RDZV_ERR_JOB_DONE) {
+                    agent_finish(a, 0, "job complete");
+                } else {
+                    /* The others would wait for a round forever: say so, fail. */
+                    snprintf(a->why, sizeof(a->why),
+                             "workers finished but the job could not be marked complete in "
+                             "etcd: %s",
+                             rdzv_strerror(err));
+                    agent_finish(a, 1, a->why);
+                }
+            }
+        }
+        return;
+    }
+    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_STOPPING)
+        dlog_info(&a->lg, "worker_stopped", "worker rank %d %s", w->rank, how);
+    if (workers_alive(a) == 0) on_workers_gone(a);
+}
+
+static void on_signalfd(agent *a)
+{
+    struct signalfd_siginfo si;
+    while (read(a->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        if (si.ssi_signo == SIGTERM) begin_shutdown(a, "SIGTERM");
+        if (si.ssi_signo == SIGINT) begin_shutdown(a, "SIGINT");
+    }
+    /* SIGCHLD coalesces: reap everything that has ended. */
+    for (;;) {
+        int st;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid <= 0) break;
+        on_reaped(a, pid, st);
+    }
+}
+
+static void check_deadlines(agent *a)
+{
+    double now = mono_now_s();
+    if (a->kill_at > 0 && now >= a->kill_at) {
+        a->kill_at = 0;
+        if (workers_alive(a)) {
+            for (int i = 0; i < a->ws.n; i++)
+                if (!a->ws.w[i].exited)
+                    dlog_warn(&a->lg, "worker_killed",
+                              "worker rank %d did not stop in time: SIGKILL", a->ws.w[i].rank);
+            agent_workers_signal(&a->ws, SIGKILL);
+            a->give_up_at = now + 5.0;
+        }
+    }
+    if (a->give_up_at > 0 && now >= a->give_up_at) {
+        a->give_up_at = 0;
+        if (a->state == AGENT_DRAINING && workers_alive(a)) {
+            dlog_warn(&a->lg, "drain_timeout",
+                      "workers still running after the job completed: "
+                      "stopping them");
+            stop_workers(a, a->o->stop_grace_ms);
+        } else if (workers_alive(a)) {
+            dlog_error(&a->lg, "workers_stuck", "%d workers did not exit after SIGKILL",
+                       workers_alive(a));
+            a->ws.alive = 0;
+            on_workers_gone(a);
+        }
+    }
+}
+
+static void publish(agent *a)
+{
+    if (!a->http) return;
+    agent_snapshot s;
+    memset(&s, 0, sizeof(s));
+    s.round = a->round.number;
+    s.members = a->in_round ? a->round.nmembers : 0;
+    s.world_size = a->in_round ? a->round.world_size : 0;
+    s.restarts = a->restarts;
+    s.workers_running = workers_alive(a);
+    s.rdzv_seconds = a->rz ? rdzv_seconds_in_rendezvous(a->rz) : 0;
+    memcpy(s.changes, a->changes, sizeof(s.changes));
+    s.ready = a->state == AGENT_RUNNING && a->in_round && workers_alive(a) == a->o->nproc;
+    s.heartbeat = mono_now_s();
+    agent_http_publish(a->http, &s);
+}
+
+static void run_loop(agent *a)
+{
+    int maxfds = 3 + 3 * a->o->nproc;
+    struct pollfd *pfd = calloc((size_t)maxfds, sizeof(*pfd));
+    agent_worker **owner = calloc((size_t)maxfds, sizeof(*owner));
+    if (!pfd || !owner) {
+        free(pfd);
+        free(owner);
+        agent_finish(a, 1, "out of memory");
+        return;
+    }
+    while (!a->done) {
+        int n = 0;
+        pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
+        /* Always slot 2 (fd -1 is ignored by poll). */
+        pfd[n++] = (struct pollfd){.fd = a->mw_fd, .events = POLLIN};
+        for (int i = 0; a->ws.w && i < a->ws.n; i++) {
+            agent_worker *w = &a->ws.w[i];
+            int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
+            for (int j = 0; j < 3; j++) {
+                if (fds[j] < 0) continue;
+                owner[n] = w;
+                pfd[n++] = (struct pollfd){.fd = fds[j], .events = POLLIN};
+            }
+        }
+        double now = mono_now_s(), next = now + 1.0;
+        if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
+        if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
+        int timeout = next > now ? (int)((next - now) * 1000.0) + 1 : 0;
+        int got = poll(pfd, (nfds_t)n, timeout);
+        if (got < 0 && errno != EINTR) {
+            agent_finish(a, 1, "poll failed");
+            break;
+        }
+        if (got > 0) {
+            unsigned gen = a->ws_gen;
+            for (int i = 3; i < n; i++) {
+                if (a->ws_gen != gen || !a->ws.w) break; /* owner[] is stale */
+                if (!pfd[i].revents) continue;
+                agent_worker *w = owner[i];
+                if (pfd[i].fd == w->ctl_fd)
+                    agent_ctl_read(w, &a->lg, on_ctl, a);
+                else if (pfd[i].fd == w->out_fd || pfd[i].fd == w->err_fd)
+                    agent_workers_read_output(&a->ws, w, pfd[i].fd);
+                if (a->done) break;
+            }
+            if (pfd[0].revents) on_signalfd(a);
+            if (pfd[2].revents && a->mw_fd >= 0 && !a->done) on_master_wait(a);
+            if (pfd[1].revents) {
+                rdzv_event ev;
+                rdzv_err err = RDZV_OK;
+                while (!a->done && (err = rdzv_next_event(a->rz, 0, &ev)) == RDZV_OK) {
+                    on_event(a, &ev);
+                    rdzv_event_free(&ev);
+                }
+                if (!a->done && err != RDZV_ERR_TIMEOUT) {
+                    /* The driver stopped without saying why: nothing more will come. */
+                    snprintf(a->why, sizeof(a->why), "rendezvous stopped: %s", rdzv_strerror(err));
+                    dlog_error(&a->lg, "rdzv_error", "%s", a->why);
+                    a->exit_after_stop = 1;
+                    if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+                    stop_workers(a, a->o->stop_grace_ms);
+                    if (!workers_alive(a)) agent_finish(a, 1, a->why);
+                }
+            }
+        }
+        if (!a->done) check_deadlines(a);
+        publish(a);
+    }
+    free(pfd);
+    free(owner);
+}
+
+/* Sets up what the loop needs (a private etcd, the HTTP endpoint, the
+ * rendezvous), runs the loop, and leaves nothing running behind it. */
+int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
+{
+    agent a;
+    memset(&a, 0, sizeof(a));
+    a.o = o;
+    a.lg = *lg;
+    a.exit_after_stop = -1;
+    a.sigfd = sigfd;
+    a.mw_fd = -1;
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+
+    char msg[RDZV_MSG_MAX] = "";
+    a.etcd.endpoints = o->endpoint;
+    a.etcd.cacert = o->cacert;
+    a.etcd.cert = o->cert;
+    a.etcd.key = o->key;
+    a.etcd.user = o->user;
+    a.etcd.password = o->password;
+    if (o->standalone) {
+        if (agent_standalone_start(&a.sa, msg, sizeof(msg)) != 0) {
+            dlog_error(&a.lg, "standalone_failed", "--standalone: %s", msg);
+            a.exit_code = AGENT_EXIT_ERROR;
+            goto out;
+        }
+        a.etcd.endpoints = a.sa.endpoint;
+        dlog_info(&a.lg, "standalone", "private etcd at %s", a.sa.endpoint);
+    }
+    if (o->http_port > 0) {
+        a.http = agent_http_start(o->http_port, msg, sizeof(msg));
+        if (!a.http) {
+            dlog_error(&a.lg, "http_failed", "--http-port: %s", msg);
+            a.exit_code = AGENT_EXIT_ERROR;
+            goto out;
+        }
+    }
+    publish(&a);
+
+    a.cfg = (rdzv_config){.etcd = a.etcd,
+                          .job = o->job,
+                          .node_id = o->node_id,
+                          .addr = o->node_addr,
+                          .local_world_size = o->nproc,
+                          .min_nodes = o->min_nodes,
+                          .max_nodes = o->max_nodes,
+                          .last_call_ms = o->last_call_ms,
+                          .lease_ttl_s = o->lease_ttl_s,
+                          .join_timeout_ms = o->join_timeout_ms,
+                          .max_restarts = o->max_restarts};
+    dlog_info(&a.lg, "start",
+              "joining job %s at %s as node %s (%s), %d workers, nodes %d:%d, rebuild %s", o->job,
+              a.etcd.endpoints, o->node_id, o->node_addr, o->nproc, o->min_nodes, o->max_nodes,
+              o->inplace ? "inplace" : "restart");
+    msg[0] = 0;
+    rdzv_err err = rdzv_open(&a.cfg, &a.rz, msg);
+    if (err == RDZV_ERR_JOB_DONE) {
+        dlog_info(&a.lg, "exit", "exiting with code 0: job %s is already complete", o->job);
+        a.rz = NULL;
+        a.exit_code = AGENT_EXIT_OK;
+        goto out;
+    }
+    if (err != RDZV_OK) {
+        a.exit_code = err == RDZV_ERR_JOB_FAILED ? AGENT_EXIT_JOB_FAILED
+                      : err == RDZV_ERR_ARG      ? AGENT_EXIT_USAGE
+                                                 : AGENT_EXIT_ERROR;
+        dlog_error(&a.lg, err == RDZV_ERR_JOB_FAILED ? "exit_failed" : "rdzv_error",
+                   "exiting with code %d: %s%s%s", a.exit_code, rdzv_strerror(err),
+                   msg[0] ? ": " : "", msg);
+        a.rz = NULL;
+        goto out;
+    }
+    run_loop(&a);
+
+out:
+    /* Whatever path got here, nothing is left running. */
+    if (a.ws.w) {
+        agent_workers_signal(&a.ws, SIGKILL);
+        for (int i = 0; i < a.ws.n; i++)
+            if (!a.ws.w[i].exited && a.ws.w[i].pid > 0) waitpid(a.ws.w[i].pid, NULL, 0);
+        agent_workers_free(&a.ws);
+    }
+    master_wait_cancel(&a);
+    if (a.rz) rdzv_close(a.rz);
+    agent_http_stop(a.http);
+    agent_standalone_stop(&a.sa);
+    rdzv_round_free(&a.round);
+    if (a.have_pending) rdzv_round_free(&a.pending);
+    /* A MASTER_PORT wait still blocked in libcurl: leave curl's globals be. */
+    if (atomic_load(&a.mw_threads) == 0) curl_global_cleanup();
+    return a.exit_code;
+}

@@ -1,0 +1,92 @@
+/* workers.h: this node's worker processes (workers.c) and the control
+ * channel to each of them (control.c).
+ *
+ * A worker is a child process with three file descriptors the agent reads:
+ * its stdout and stderr, passed through line by line, and its end of the
+ * control channel (control.h). The agent's loop polls them; these functions
+ * do the reading, the spawning, the signalling and the reaping.
+ */
+#ifndef DUCTILE_AGENT_WORKERS_H
+#define DUCTILE_AGENT_WORKERS_H
+
+#include "ductile/control.h"
+#include "ductile/log.h"
+#include "ductile/rdzv.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* Accumulates bytes into lines; a line longer than the buffer is cut. */
+typedef struct agent_linebuf {
+    char buf[CTL_MAX_LINE + 1];
+    size_t len;
+} agent_linebuf;
+
+typedef struct agent_worker {
+    pid_t pid; /* 0 once reaped */
+    int local_rank;
+    int rank;   /* global rank in the current round */
+    int out_fd; /* read ends; -1 once closed */
+    int err_fd;
+    int ctl_fd;
+    agent_linebuf out, err, ctl;
+    int exited; /* reaped */
+    int status; /* waitpid status once exited */
+    int64_t step;
+    int ready;
+    int failed_reported; /* sent "failed" in this round */
+    int signalled;       /* the agent sent it a signal: its death is not first-hand */
+} agent_worker;
+
+typedef struct agent_workers {
+    int n;
+    agent_worker *w;
+    int alive; /* spawned and not yet reaped */
+} agent_workers;
+
+/* What one round gives every worker in its environment (CTL_ENV_VARS). */
+typedef struct agent_round_env {
+    int64_t round;
+    int world_size;
+    int group_rank;
+    int group_world_size;
+    int first_rank;
+    int local_world_size;
+    const char *master_addr;
+    int master_port;
+    const char *node_addr; /* this node's address: workers listen there */
+    int64_t restarts;
+    int max_restarts;
+    const char *job;
+    const char *role;
+    const char *store_prefix;
+    rdzv_etcd etcd; /* endpoints, and the credentials passed on (CTL_ENV_CREDENTIALS) */
+} agent_round_env;
+
+/* Starts env->local_world_size workers running argv. 0 on success; on
+ * failure msg says why and nothing is left running. */
+int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
+                        char *msg, size_t msglen);
+/* Sends sig to every live worker's process group. */
+void agent_workers_signal(agent_workers *ws, int sig);
+/* Records the exit of pid; returns the worker or NULL if not ours. */
+agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status);
+/* Reads what is readable on fd (a worker's out/err pipe) and passes whole
+ * lines through with a "[rank] " prefix; closes the fd at EOF. */
+void agent_workers_read_output(agent_workers *ws, agent_worker *w, int fd);
+/* Closes every fd and frees the array (workers must all be reaped). */
+void agent_workers_free(agent_workers *ws);
+/* Describes how a worker ended ("exited with code 1", "killed by SIGSEGV"). */
+void agent_worker_describe(const agent_worker *w, char *out, size_t len);
+
+/* ---- the control channel (control.c) ---- */
+
+/* Sends one message to a worker; -1 when its channel is gone. */
+int agent_ctl_send(agent_worker *w, const ctl_msg *m);
+/* Reads what is readable on w->ctl_fd; each whole message goes to on_msg.
+ * Closes the fd at EOF. Malformed lines are logged and dropped. */
+void agent_ctl_read(agent_worker *w, const dlog *lg,
+                    void (*on_msg)(void *ctx, agent_worker *w, const ctl_msg *m), void *ctx);
+
+#endif
