@@ -725,13 +725,11 @@ static void on_reaped(agent *a, pid_t pid, int status)
         if (!ok) {
             char reason[300];
             snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
-            /* First-hand unless the agent itself signalled it, or the
-             * worker's status says it lost a peer. */
             int lost = WIFEXITED(status) && WEXITSTATUS(status) == CTL_EXIT_PEER_LOST;
             if (lost)
                 snprintf(reason, sizeof(reason), "worker rank %d lost a peer (exit status %d)",
                          w->rank, CTL_EXIT_PEER_LOST);
-            worker_failed(a, reason, !w->signalled && !lost);
+            worker_failed(a, reason, agent_worker_first_hand(w));
             return;
         }
         if (workers_alive(a) == 0) {
@@ -759,9 +757,19 @@ static void on_reaped(agent *a, pid_t pid, int status)
         }
         return;
     }
-    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_STOPPING)
+    if (a->state == AGENT_STOPPING && agent_worker_first_hand(w)) {
+        /* It crashed on its own while the round was ending for another
+         * reason (its peers saw the crash first and reported a lost peer):
+         * still one counted failure (report_failure reports once a round). */
+        char reason[300];
+        snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
+        dlog_warn(&a->lg, "worker_failed", "round %lld: %s while stopping",
+                  (long long)a->round.number, reason);
+        report_failure(a, reason, 1);
+    } else if (a->state == AGENT_SHUTDOWN || a->state == AGENT_STOPPING) {
         dlog_info(&a->lg, "worker_stopped", "worker rank %d %s", w->rank, how);
-    if (workers_alive(a) == 0) on_workers_gone(a);
+    }
+    if (workers_alive(a) == 0 && !a->done) on_workers_gone(a);
 }
 
 static void on_signalfd(agent *a)

@@ -244,9 +244,22 @@ void agent_workers_signal(agent_workers *ws, int sig)
     for (int i = 0; i < ws->n; i++) {
         agent_worker *w = &ws->w[i];
         if (w->exited || w->pid <= 0) continue;
-        w->signalled = 1;
+        siginfo_t si = {0};
+        if (waitid(P_PID, (id_t)w->pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid)
+            continue; /* already ended: left for the reaper, its status its own */
+        if (sig > 0 && sig < 32) w->sent |= 1u << sig;
         if (kill(-w->pid, sig) != 0) kill(w->pid, sig);
     }
+}
+
+int agent_worker_first_hand(const agent_worker *w)
+{
+    if (WIFSIGNALED(w->status)) {
+        int sig = WTERMSIG(w->status);
+        return sig <= 0 || sig >= 32 || !(w->sent & (1u << sig));
+    }
+    int code = WIFEXITED(w->status) ? WEXITSTATUS(w->status) : 0;
+    return code != 0 && code != CTL_EXIT_PEER_LOST && !w->sent;
 }
 
 agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status)

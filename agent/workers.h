@@ -36,7 +36,7 @@ typedef struct agent_worker {
     int64_t step;
     int ready;
     int failed_reported; /* sent "failed" in this round */
-    int signalled;       /* the agent sent it a signal: its death is not first-hand */
+    unsigned sent;       /* bit 1u << sig for each signal the agent sent it */
 } agent_worker;
 
 typedef struct agent_workers {
@@ -68,8 +68,14 @@ typedef struct agent_round_env {
  * failure msg says why and nothing is left running. */
 int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
                         char *msg, size_t msglen);
-/* Sends sig to every live worker's process group. */
+/* Sends sig to every live worker's process group. A worker that has already
+ * ended (not yet reaped) is not sent it: its end stays its own. */
 void agent_workers_signal(agent_workers *ws, int sig);
+/* 1 when a reaped worker's end is its own failure (the failure-counting
+ * rule's first-hand): killed by a signal the agent did not send it, or
+ * exited non-zero, other than CTL_EXIT_PEER_LOST, before the agent sent it
+ * any signal. Which way a reap and a round's end race does not change it. */
+int agent_worker_first_hand(const agent_worker *w);
 /* Records the exit of pid; returns the worker or NULL if not ours. */
 agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status);
 /* Reads what is readable on fd (a worker's out/err pipe) and passes whole

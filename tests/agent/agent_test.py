@@ -561,6 +561,35 @@ def case_crash_counted_once(job):
         check(ag.wait_exit(30) == 0, "agent %s exits 0" % ag.node)
 
 
+def case_crash_while_stopping(job):
+    """A worker that crashes on its own while its agent stops it (the round
+    ended for another reason first) is still a counted failure: the order in
+    which the round's end and the crash reach the agent does not decide it.
+    Here the order is forced: node-a's worker reports a lost peer (not
+    counted), and node-b's worker segfaults when the agent's SIGTERM comes."""
+    job.flags += FAST + ["--nnodes", "2", "--max-restarts", "3"]
+    a, b = (job.start(n) for n in ("node-a", "node-b"))
+    r1 = job.wait_round(2, 60)
+    wb = workers_of(job, b)[0]
+    job.command(wb["_pid"], "segv-on-term")
+    wait_for(lambda: any("segv-on-term" in l for l in job.worker_log(wb["_pid"])), 10,
+             "worker b armed")
+    job.command(workers_of(job, a)[0]["_pid"], "peer-lost")
+
+    def counted_round():
+        r = job.running_round(2)
+        ws = job.round_workers(r) if r and r > r1 else []
+        return r if ws and all(x["TORCHELASTIC_RESTART_COUNT"] == "1" for x in ws) else None
+    try:
+        wait_for(counted_round, 60, "a round with restart count 1")
+    except Fail:
+        raise Fail("the crash while stopping was not counted; logs:\n%s" % b.log())
+    check("while stopping" in b.log(), "node-b says the worker crashed while stopping")
+    job.command("all", "exit 0")
+    for ag in (a, b):
+        check(ag.wait_exit(30) == 0, "agent %s exits 0" % ag.node)
+
+
 def case_report_unreachable(job):
     """A failure that cannot be recorded in etcd ends the agent non-zero with the
     reason, instead of idling in a round nobody else knows is broken."""

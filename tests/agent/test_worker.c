@@ -10,7 +10,8 @@
  *                                 channel, term, term-ignored, peer-lost
  *   $AGENT_TEST_DIR/cmd.<pid>     a command for this worker, or
  *   $AGENT_TEST_DIR/cmd.all       one for every worker (checked every 50 ms):
- *       exit N | segv | abort | hang | ignore-term | fail REASON
+ *       exit N | segv | abort | hang | ignore-term | fail REASON | peer-lost
+ *       | segv-on-term (crash when the agent's SIGTERM comes)
  *
  * AGENT_TEST_IGNORE_TERM=1 ignores SIGTERM from the start. AGENT_TEST_MESH=1
  * links the workers of a round: rank 0 listens on MASTER_PORT, the others
@@ -169,13 +170,17 @@ int main(void)
         mesh[nmesh++] = fd;
     }
 
-    int hang = 0;
+    int hang = 0, segv_on_term = 0;
     long step = 0;
     long long round = getenv("DUCTILE_ROUND") ? atoll(getenv("DUCTILE_ROUND")) : 0;
     double next_step = now() + 0.5;
     for (;;) {
         if (got_term) {
             got_term = 0;
+            if (segv_on_term) {
+                say(dir, "term-segv");
+                raise(SIGSEGV);
+            }
             if (ignore_term) {
                 say(dir, "term-ignored");
             } else {
@@ -192,15 +197,22 @@ int main(void)
             if (strcmp(cmd, "segv") == 0) raise(SIGSEGV);
             if (strcmp(cmd, "abort") == 0) abort();
             if (strcmp(cmd, "ignore-term") == 0) ignore_term = 1;
+            if (strcmp(cmd, "segv-on-term") == 0 && !segv_on_term) {
+                segv_on_term = 1;
+                say(dir, "segv-on-term");
+            }
             if (strcmp(cmd, "hang") == 0 && !hang) {
                 hang = 1;
                 ignore_term = 1;
                 say(dir, "hang");
             }
-            if (strncmp(cmd, "fail ", 5) == 0 && ctl >= 0) {
+            int peer_lost = strcmp(cmd, "peer-lost") == 0;
+            if ((strncmp(cmd, "fail ", 5) == 0 || peer_lost) && ctl >= 0) {
                 char line[300];
-                int n = snprintf(line, sizeof(line), "failed %s\n", cmd + 5);
-                if (write(ctl, line, (size_t)n) == n) say(dir, "sent-failed");
+                int n = peer_lost ? snprintf(line, sizeof(line), "peer_lost %lld test\n", round)
+                                  : snprintf(line, sizeof(line), "failed %s\n", cmd + 5);
+                if (write(ctl, line, (size_t)n) == n)
+                    say(dir, peer_lost ? "sent-peer-lost" : "sent-failed");
                 char path[512]; /* once: the command file goes */
                 snprintf(path, sizeof(path), "%s/cmd.%d", dir, (int)getpid());
                 unlink(path);
