@@ -41,8 +41,7 @@ int dlog_init(dlog *lg, const char *tag, const char *node, int stamp, char *why,
     return 0;
 }
 
-void dlog_vwrite(const dlog *lg, dlog_level level, const char *event, const char *fmt,
-                 va_list ap)
+void dlog_vwrite(const dlog *lg, dlog_level level, const char *event, const char *fmt, va_list ap)
 {
     if (!dlog_enabled(lg, level)) return;
     char msg[DLOG_MSG_MAX];
@@ -72,8 +71,8 @@ void dlog_vwrite(const dlog *lg, dlog_level level, const char *event, const char
         n = snprintf(line, sizeof(line), "%s%s%s[%s] %s\n", lg->stamp ? ts : "",
                      lg->stamp ? " " : "", lg->tag, lg->node, msg);
     } else {
-        n = snprintf(line, sizeof(line), "%s%s%s: %s\n", lg->stamp ? ts : "",
-                     lg->stamp ? " " : "", lg->tag, msg);
+        n = snprintf(line, sizeof(line), "%s%s%s: %s\n", lg->stamp ? ts : "", lg->stamp ? " " : "",
+                     lg->tag, msg);
     }
     if (n <= 0) return;
     if ((size_t)n >= sizeof(line)) {

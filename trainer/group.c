@@ -99,9 +99,9 @@ group_err group_connect(group *g, const group_env *env, const group_link *link, 
     if (ce != COMM_OK) {
         /* The backend says why in cc.msg; the store's last error may add to it. */
         const char *detail = rdzv_store_last_error(g->store);
-        snprintf(msg, GROUP_MSG_MAX, "round %lld: building the %s: %s%s%s%s%s",
-                 (long long)g->round, link->cuda ? "NCCL communicator" : "ring",
-                 comm_strerror(ce), why[0] ? ": " : "", why, detail[0] ? ": " : "", detail);
+        snprintf(msg, GROUP_MSG_MAX, "round %lld: building the %s: %s%s%s%s%s", (long long)g->round,
+                 link->cuda ? "NCCL communicator" : "ring", comm_strerror(ce), why[0] ? ": " : "",
+                 why, detail[0] ? ": " : "", detail);
         rdzv_store_close(g->store);
         g->store = NULL;
         g->comm = NULL;

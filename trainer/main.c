@@ -46,8 +46,12 @@
 #include "group.h"
 #include "options.h"
 
-/* The one-line reasons model.h, data.h, ckpt.h and gpu.h write (256 bytes). */
-#define TRAINER_MSG_MAX 256
+/* Holds the one-line reasons model.h, data.h, ckpt.h, gpu.h and group.h write. */
+#define TRAINER_MSG_MAX 512
+_Static_assert(TRAINER_MSG_MAX >= MODEL_MSG_MAX && TRAINER_MSG_MAX >= DATA_MSG_MAX &&
+                   TRAINER_MSG_MAX >= CKPT_MSG_MAX && TRAINER_MSG_MAX >= GPU_MSG_MAX &&
+                   TRAINER_MSG_MAX >= GROUP_MSG_MAX,
+               "TRAINER_MSG_MAX holds every library's reason");
 
 static volatile sig_atomic_t stop_signal;
 
@@ -700,7 +704,7 @@ static loop_state trainer_regroup(trainer *t, const char *why)
  * the agent what failed, then rebuild. Returns trainer_regroup's answer. */
 static loop_state trainer_recover(trainer *t, const char *what)
 {
-    char why[400];
+    char why[TRAINER_MSG_MAX + 64];
     snprintf(why, sizeof(why), "%s: %s", what, t->why[0] ? t->why : "no detail");
     report_failure(t, peer_gone(t), why);
     return trainer_regroup(t, why);

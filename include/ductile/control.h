@@ -70,29 +70,32 @@
 #define CTL_MAX_LINE 1024
 /* The longest REASON of `failed` and `peer_lost`, with its NUL. */
 #define CTL_REASON_MAX 512
+/* The longest ADDR and PREFIX of `round`, with their NUL. */
+#define CTL_ADDR_MAX 256
+#define CTL_PREFIX_MAX 512
 
 /* X(NAME, what the agent puts there) for every variable it sets. */
-#define CTL_ENV_VARS(X)                                                                   \
-    X(CTL_ENV_RANK, "global rank of this worker in the round")                            \
-    X(CTL_ENV_LOCAL_RANK, "rank among this node's workers")                               \
-    X(CTL_ENV_WORLD_SIZE, "workers in the round")                                         \
-    X(CTL_ENV_LOCAL_WORLD_SIZE, "workers on this node (--nproc-per-node)")                \
-    X("GROUP_RANK", "this node's rank in the round")                                      \
-    X("GROUP_WORLD_SIZE", "nodes in the round")                                           \
-    X("ROLE_RANK", "as RANK (one role)")                                                  \
-    X("ROLE_WORLD_SIZE", "as WORLD_SIZE (one role)")                                      \
-    X("ROLE_NAME", "--role")                                                              \
-    X("MASTER_ADDR", "node rank 0's address")                                             \
-    X("MASTER_PORT", "a free port node rank 0 published for the round")                   \
-    X("TORCHELASTIC_RESTART_COUNT", "failures counted so far")                            \
-    X("TORCHELASTIC_MAX_RESTARTS", "--max-restarts")                                      \
-    X("TORCHELASTIC_RUN_ID", "--rdzv-id")                                                 \
-    X(CTL_ENV_ENDPOINTS, "the etcd endpoints, comma-separated")                           \
-    X(CTL_ENV_JOB, "the job id (--rdzv-id)")                                              \
-    X(CTL_ENV_ROUND, "the round the worker was started in")                               \
-    X(CTL_ENV_STORE_PREFIX, "that round's store prefix in etcd")                          \
-    X(CTL_ENV, "the control channel's file descriptor")                                   \
-    X(CTL_ENV_NODE_ADDR, "this node's address: workers listen there")                     \
+#define CTL_ENV_VARS(X)                                                                            \
+    X(CTL_ENV_RANK, "global rank of this worker in the round")                                     \
+    X(CTL_ENV_LOCAL_RANK, "rank among this node's workers")                                        \
+    X(CTL_ENV_WORLD_SIZE, "workers in the round")                                                  \
+    X(CTL_ENV_LOCAL_WORLD_SIZE, "workers on this node (--nproc-per-node)")                         \
+    X("GROUP_RANK", "this node's rank in the round")                                               \
+    X("GROUP_WORLD_SIZE", "nodes in the round")                                                    \
+    X("ROLE_RANK", "as RANK (one role)")                                                           \
+    X("ROLE_WORLD_SIZE", "as WORLD_SIZE (one role)")                                               \
+    X("ROLE_NAME", "--role")                                                                       \
+    X("MASTER_ADDR", "node rank 0's address")                                                      \
+    X("MASTER_PORT", "a free port node rank 0 published for the round")                            \
+    X("TORCHELASTIC_RESTART_COUNT", "failures counted so far")                                     \
+    X("TORCHELASTIC_MAX_RESTARTS", "--max-restarts")                                               \
+    X("TORCHELASTIC_RUN_ID", "--rdzv-id")                                                          \
+    X(CTL_ENV_ENDPOINTS, "the etcd endpoints, comma-separated")                                    \
+    X(CTL_ENV_JOB, "the job id (--rdzv-id)")                                                       \
+    X(CTL_ENV_ROUND, "the round the worker was started in")                                        \
+    X(CTL_ENV_STORE_PREFIX, "that round's store prefix in etcd")                                   \
+    X(CTL_ENV, "the control channel's file descriptor")                                            \
+    X(CTL_ENV_NODE_ADDR, "this node's address: workers listen there")                              \
     X(CTL_ENV_FAILPOINTS, "the worker's failpoints (the agent's are not inherited)")
 
 #define CTL_ENV_RANK "RANK"
@@ -107,11 +110,11 @@
 #define CTL_ENV_NODE_ADDR "DUCTILE_NODE_ADDR"
 #define CTL_ENV_FAILPOINTS "DUCTILE_FAILPOINTS"
 /* X(NAME, rdzv_etcd field): the credentials, passed on only when set. */
-#define CTL_ENV_CREDENTIALS(X)                                                            \
-    X("DUCTILE_ETCD_CACERT", cacert)                                                      \
-    X("DUCTILE_ETCD_CERT", cert)                                                          \
-    X("DUCTILE_ETCD_KEY", key)                                                            \
-    X("DUCTILE_ETCD_USER", user)                                                          \
+#define CTL_ENV_CREDENTIALS(X)                                                                     \
+    X("DUCTILE_ETCD_CACERT", cacert)                                                               \
+    X("DUCTILE_ETCD_CERT", cert)                                                                   \
+    X("DUCTILE_ETCD_KEY", key)                                                                     \
+    X("DUCTILE_ETCD_USER", user)                                                                   \
     X("DUCTILE_ETCD_PASSWORD", password)
 /* A worker that exits with this status (EX_TEMPFAIL) lost a peer, as if it
  * had said `peer_lost` for its round: for a worker that could not build its
@@ -141,10 +144,10 @@ typedef struct ctl_msg {
     int group_rank;
     int group_world_size;
     int64_t restarts;
-    char master_addr[256];
+    char master_addr[CTL_ADDR_MAX];
     int master_port;
-    char store_prefix[512];
-    int64_t step;     /* STEP */
+    char store_prefix[CTL_PREFIX_MAX];
+    int64_t step;                /* STEP */
     char reason[CTL_REASON_MAX]; /* FAILED, PEER_LOST */
 } ctl_msg;
 

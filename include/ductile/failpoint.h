@@ -10,7 +10,9 @@
  * later one); calls are counted per name and per process from 1. ACTION is
  * a word the code at that point understands (see each name below); the
  * failpoint only says "this call fails, this way". Unknown names never
- * fire, so a typo shows up as a test that fails, never as a crash.
+ * fire, nor do actions the code there does not know (ductile-train warns
+ * of an unknown train.step action), so a typo shows up as a test that
+ * fails, never as a crash.
  *
  * Names compiled in (always; a check is one relaxed load when unset):
  *   etcd.CLIENT.OP   CLIENT: api (the agent's own calls: register, report,

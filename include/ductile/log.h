@@ -58,15 +58,14 @@ static inline int dlog_enabled(const dlog *lg, dlog_level level)
  * NULL for none. */
 void dlog_write(const dlog *lg, dlog_level level, const char *event, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-void dlog_vwrite(const dlog *lg, dlog_level level, const char *event, const char *fmt,
-                 va_list ap);
+void dlog_vwrite(const dlog *lg, dlog_level level, const char *event, const char *fmt, va_list ap);
 
 #define dlog_error(lg, event, ...) dlog_write((lg), DLOG_ERROR, (event), __VA_ARGS__)
 #define dlog_warn(lg, event, ...) dlog_write((lg), DLOG_WARN, (event), __VA_ARGS__)
 #define dlog_info(lg, event, ...) dlog_write((lg), DLOG_INFO, (event), __VA_ARGS__)
-#define dlog_debug(lg, event, ...)                                                     \
-    do {                                                                               \
-        if (dlog_enabled((lg), DLOG_DEBUG)) dlog_write((lg), DLOG_DEBUG, (event), __VA_ARGS__); \
+#define dlog_debug(lg, event, ...)                                                                 \
+    do {                                                                                           \
+        if (dlog_enabled((lg), DLOG_DEBUG)) dlog_write((lg), DLOG_DEBUG, (event), __VA_ARGS__);    \
     } while (0)
 
 #endif

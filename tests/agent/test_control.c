@@ -38,16 +38,16 @@ static void roundtrip(const ctl_msg *m)
 int main(void)
 {
     ctl_msg m = {.type = CTL_ROUND,
-                       .round = 12,
-                       .rank = 5,
-                       .world_size = 6,
-                       .local_rank = 1,
-                       .group_rank = 2,
-                       .group_world_size = 3,
-                       .restarts = 4,
-                       .master_addr = "10.0.0.7",
-                       .master_port = 29500,
-                       .store_prefix = "/ductile/job-1/rounds/12/store/"};
+                 .round = 12,
+                 .rank = 5,
+                 .world_size = 6,
+                 .local_rank = 1,
+                 .group_rank = 2,
+                 .group_world_size = 3,
+                 .restarts = 4,
+                 .master_addr = "10.0.0.7",
+                 .master_port = 29500,
+                 .store_prefix = "/ductile/job-1/rounds/12/store/"};
     roundtrip(&m);
     ctl_msg simple[] = {
         {.type = CTL_ABORT, .round = 9},

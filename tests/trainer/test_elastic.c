@@ -112,11 +112,11 @@ static void say(fixture *f, const char *line)
 static void say_round(fixture *f, int64_t round)
 {
     ctl_msg m = {.type = CTL_ROUND,
-                       .round = round,
-                       .rank = 0,
-                       .world_size = 2,
-                       .group_world_size = 1,
-                       .master_port = 29500};
+                 .round = round,
+                 .rank = 0,
+                 .world_size = 2,
+                 .group_world_size = 1,
+                 .master_port = 29500};
     snprintf(m.master_addr, sizeof(m.master_addr), "127.0.0.1");
     snprintf(m.store_prefix, sizeof(m.store_prefix), "/ductile/j/rounds/%lld/store/",
              (long long)round);
