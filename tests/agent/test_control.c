@@ -4,20 +4,11 @@
  * (bad numbers, ranks out of range, missing or extra words, overlong lines)
  * is refused rather than half-read.
  */
+#include "check.h"
 #include "ductile/control.h"
 
 #include <stdio.h>
 #include <string.h>
-
-static int failures;
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);               \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
 
 static void roundtrip(const ctl_msg *m)
 {
@@ -38,16 +29,16 @@ static void roundtrip(const ctl_msg *m)
 int main(void)
 {
     ctl_msg m = {.type = CTL_ROUND,
-                       .round = 12,
-                       .rank = 5,
-                       .world_size = 6,
-                       .local_rank = 1,
-                       .group_rank = 2,
-                       .group_world_size = 3,
-                       .restarts = 4,
-                       .master_addr = "10.0.0.7",
-                       .master_port = 29500,
-                       .store_prefix = "/ductile/job-1/rounds/12/store/"};
+                 .round = 12,
+                 .rank = 5,
+                 .world_size = 6,
+                 .local_rank = 1,
+                 .group_rank = 2,
+                 .group_world_size = 3,
+                 .restarts = 4,
+                 .master_addr = "10.0.0.7",
+                 .master_port = 29500,
+                 .store_prefix = "/ductile/job-1/rounds/12/store/"};
     roundtrip(&m);
     ctl_msg simple[] = {
         {.type = CTL_ABORT, .round = 9},
@@ -98,7 +89,7 @@ int main(void)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         if (ctl_parse(bad[i], &out) == 0) {
             fprintf(stderr, "accepted a bad line: '%s'\n", bad[i]);
-            failures++;
+            check_fail();
         }
     }
     char longline[CTL_MAX_LINE + 10];
@@ -112,7 +103,7 @@ int main(void)
     CHECK(ctl_format(&m, buf, 8) < 0); /* does not fit */
     ctl_msg none = {.type = CTL_INVALID};
     CHECK(ctl_format(&none, buf, sizeof(buf)) < 0);
-    if (failures) return 1;
+    if (check_failures()) return 1;
     printf("ok control protocol\n");
     return 0;
 }

@@ -167,5 +167,5 @@ int main(void)
     gpu_test_near("gpu+nccl vs cpu", p[RUN_NCCL], p[RUN_CPU], n, 1e-3);
     for (int k = 0; k < 4; k++)
         free(p[k]);
-    return test_finish("test_gpu_ddp");
+    return check_finish("test_gpu_ddp");
 }

@@ -5,6 +5,8 @@
  */
 #include "test_etcd.h"
 
+#include "ductile/clock.h"
+
 #include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
@@ -17,7 +19,6 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 int test_free_port(void)
@@ -60,13 +61,6 @@ static int answers(const test_etcd *e)
     return ok;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 static int spawn(test_etcd *e)
 {
     char client[64], peer[64], cluster[96];
@@ -91,8 +85,8 @@ static int spawn(test_etcd *e)
         _exit(127);
     }
     e->pid = pid;
-    double deadline = now_s() + 15.0;
-    while (now_s() < deadline) {
+    double deadline = mono_now_s() + 15.0;
+    while (mono_now_s() < deadline) {
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {
             e->pid = 0;
@@ -129,6 +123,16 @@ int test_etcd_start(test_etcd *e)
     return -1;
 }
 
+const char *test_etcd_shared_or_start(test_etcd *e)
+{
+    const char *shared = getenv("DUCTILE_TEST_ETCD");
+    if (shared) {
+        memset(e, 0, sizeof(*e));
+        return shared;
+    }
+    return test_etcd_start(e) == 0 ? e->endpoint : NULL;
+}
+
 void test_etcd_kill(test_etcd *e)
 {
     if (e->pid > 0) {
@@ -148,9 +152,10 @@ void test_etcd_stop(test_etcd *e)
 {
     if (e->pid > 0) {
         kill(e->pid, SIGTERM);
-        double deadline = now_s() + 5.0;
+        double deadline = mono_now_s() + 5.0;
         int st;
-        while (waitpid(e->pid, &st, WNOHANG) == 0 && now_s() < deadline) usleep(20 * 1000);
+        while (waitpid(e->pid, &st, WNOHANG) == 0 && mono_now_s() < deadline)
+            usleep(20 * 1000);
         test_etcd_kill(e);
     }
     if (e->data_dir[0]) {

@@ -21,6 +21,10 @@ typedef struct test_etcd {
 
 /* 0 on success; on failure prints why to stderr and returns -1. */
 int test_etcd_start(test_etcd *e);
+/* The etcd a test runs against: the one DUCTILE_TEST_ETCD names (e is then
+ * left unstarted), or a private one started in e. Its endpoint, or NULL when
+ * none could be started; test_etcd_stop(e) afterwards in both cases. */
+const char *test_etcd_shared_or_start(test_etcd *e);
 /* SIGKILL the server, keep its data and ports. */
 void test_etcd_kill(test_etcd *e);
 /* Start it again on the same ports and data (after test_etcd_kill). */

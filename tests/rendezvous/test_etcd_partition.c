@@ -96,7 +96,7 @@ static void exec_etcd(int i)
 static void start_member(int i)
 {
     pids[i] = fork();
-    CHECK(pids[i] >= 0);
+    CHECK_OR_EXIT(pids[i] >= 0);
     if (pids[i] == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         exec_etcd(i);
@@ -108,9 +108,9 @@ static void start_member(int i)
 static int start_member0(void)
 {
     int up[2], go[2];
-    CHECK(pipe(up) == 0 && pipe(go) == 0);
+    CHECK_OR_EXIT(pipe(up) == 0 && pipe(go) == 0);
     pids[0] = fork();
-    CHECK(pids[0] >= 0);
+    CHECK_OR_EXIT(pids[0] >= 0);
     if (pids[0] == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(up[0]);
@@ -144,7 +144,7 @@ static int start_member0(void)
         return SKIP;
     }
     ok = 1;
-    CHECK(write(go[1], &ok, 1) == 1);
+    CHECK_OR_EXIT(write(go[1], &ok, 1) == 1);
     close(go[1]);
     return 0;
 }
@@ -236,7 +236,7 @@ static void raw_start(raw_stream *r, const char *endpoint, int hasleader)
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     atomic_init(&r->stop, 0);
-    CHECK(pthread_create(&r->thread, NULL, raw_run, r) == 0);
+    CHECK_OR_EXIT(pthread_create(&r->thread, NULL, raw_run, r) == 0);
 }
 
 /* Waits until the body holds needle (or, with needle NULL, the stream has
@@ -246,7 +246,7 @@ static int raw_wait(raw_stream *r, const char *needle, int64_t end_ms)
     pthread_mutex_lock(&r->mu);
     for (;;) {
         int hit = needle ? strstr(r->body, needle) != NULL : r->done;
-        int64_t left = end_ms - test_now_ms();
+        int64_t left = end_ms - mono_now_ms();
         if (hit || (needle && r->done) || left <= 0) {
             pthread_mutex_unlock(&r->mu);
             return hit;
@@ -283,7 +283,7 @@ static int64_t put(etcd_client *c, const char *key, const char *val)
         if (e == ETCD_ERR_NOT_FOUND) e = etcd_put(c, key, val, strlen(val), 0, &rev);
     }
     if (e != ETCD_OK) fprintf(stderr, "put %s: %s\n", key, etcd_last_error(c));
-    CHECK(e == ETCD_OK);
+    CHECK_OR_EXIT(e == ETCD_OK);
     return rev;
 }
 
@@ -295,8 +295,8 @@ static void expect_event(etcd_watch *w, const char *key, const char *val)
     if (got != 1)
         fprintf(stderr, "watch: no event for %s: %s (%s)\n", key, etcd_strerror(last),
                 etcd_watch_last_error(w));
-    CHECK(got == 1);
-    CHECK(strcmp(ev[0].kv.key, key) == 0 && strcmp(ev[0].kv.value, val) == 0);
+    CHECK_OR_EXIT(got == 1);
+    CHECK_OR_EXIT(strcmp(ev[0].kv.key, key) == 0 && strcmp(ev[0].kv.value, val) == 0);
     etcd_events_free(ev, got);
 }
 
@@ -318,7 +318,7 @@ int main(void)
     snprintf(cli_ns, sizeof(cli_ns), "dtc%dn", id);
     const char *tmp = getenv("TMPDIR");
     snprintf(dir, sizeof(dir), "%s/ductile-partition-XXXXXX", tmp ? tmp : "/tmp");
-    CHECK(mkdtemp(dir));
+    CHECK_OR_EXIT(mkdtemp(dir));
     atexit(cleanup);
     signal(SIGPIPE, SIG_IGN);
 
@@ -327,7 +327,7 @@ int main(void)
     for (int i = 1; i < MEMBERS; i++) {
         cport[i] = test_free_port();
         pport[i] = test_free_port();
-        CHECK(cport[i] > 0 && pport[i] > 0);
+        CHECK_OR_EXIT(cport[i] > 0 && pport[i] > 0);
         snprintf(client_url[i], sizeof(client_url[i]), "http://127.0.0.1:%d", cport[i]);
         snprintf(peer_url[i], sizeof(peer_url[i]), "http://10.214.%d.1:%d", net, pport[i]);
     }
@@ -361,38 +361,39 @@ int main(void)
     raw_stream with, without;
     raw_start(&with, client_url[0], 1);
     raw_start(&without, client_url[0], 0);
-    int64_t end = test_now_ms() + DEADLINE_MS;
-    CHECK(raw_wait(&with, "\"created\":true", end) && raw_wait(&without, "\"created\":true", end));
+    int64_t end = mono_now_ms() + DEADLINE_MS;
+    CHECK_OR_EXIT(raw_wait(&with, "\"created\":true", end) &&
+                  raw_wait(&without, "\"created\":true", end));
     put(m1, "/pt/a", "before");
     expect_event(w, "/pt/a", "before");
-    end = test_now_ms() + DEADLINE_MS;
-    CHECK(raw_wait(&with, "L3B0L2E=", end) && raw_wait(&without, "L3B0L2E=", end));
+    end = mono_now_ms() + DEADLINE_MS;
+    CHECK_OR_EXIT(raw_wait(&with, "L3B0L2E=", end) && raw_wait(&without, "L3B0L2E=", end));
 
     /* member 0 loses its peers; its clients' link stays up */
     fprintf(stderr, "peer link of member 0 down\n");
-    CHECK(sh("ip link set %s down", peer_host) == 0);
+    CHECK_OR_EXIT(sh("ip link set %s down", peer_host) == 0);
     int64_t rev = put(m1, "/pt/b", "after");
-    int64_t put_at = test_now_ms();
+    int64_t put_at = mono_now_ms();
     expect_event(w, "/pt/b", "after");
-    CHECK(etcd_watch_revision(w) == rev);
+    CHECK_OR_EXIT(etcd_watch_revision(w) == rev);
     etcd_event *more;
     size_t n;
-    CHECK(etcd_watch_next(w, 200, &more, &n) == ETCD_OK && n == 0); /* no duplicates */
+    CHECK_OR_EXIT(etcd_watch_next(w, 200, &more, &n) == ETCD_OK && n == 0); /* no duplicates */
 
     /* with the header, member 0 ended the stream with the no-leader error,
      * written without a newline after it */
-    CHECK(raw_wait(&with, NULL, put_at + DEADLINE_MS));
+    CHECK_OR_EXIT(raw_wait(&with, NULL, put_at + DEADLINE_MS));
     raw_stop(&with); /* ended: the body is complete */
     const char *last = strrchr(with.body, '\n');
     last = last ? last + 1 : with.body;
     fprintf(stderr, "stream with Hasleader ended with: %s\n", last);
-    CHECK(strncmp(last, "{\"error\":{\"grpc_code\":14,", 25) == 0);
-    CHECK(strstr(last, "\"message\":\"etcdserver: no leader\""));
-    CHECK(last[strlen(last) - 1] == '}');
+    CHECK_OR_EXIT(strncmp(last, "{\"error\":{\"grpc_code\":14,", 25) == 0);
+    CHECK_OR_EXIT(strstr(last, "\"message\":\"etcdserver: no leader\""));
+    CHECK_OR_EXIT(last[strlen(last) - 1] == '}');
     /* without it, the stream stays open and the put never arrives there */
-    CHECK(!raw_wait(&without, "L3B0L2I=", put_at + DEADLINE_MS));
+    CHECK_OR_EXIT(!raw_wait(&without, "L3B0L2I=", put_at + DEADLINE_MS));
     raw_stop(&without);
-    CHECK(!strstr(without.body, "error") && !strstr(without.body, "L3B0L2I="));
+    CHECK_OR_EXIT(!strstr(without.body, "error") && !strstr(without.body, "L3B0L2I="));
     fprintf(stderr, "stream without Hasleader: open, silent for %d ms after the put\n",
             DEADLINE_MS);
 

@@ -318,5 +318,5 @@ int main(void)
         test_reduce_order(overlap, "backward", 0);
         test_reduce_order(overlap, "forward", 1);
     }
-    return test_finish("test_buckets");
+    return check_finish("test_buckets");
 }
