@@ -165,3 +165,92 @@ void test_etcd_stop(test_etcd *e)
         e->data_dir[0] = 0;
     }
 }
+
+/* ---- a cluster of real etcd members ---- */
+
+int test_cluster_init(test_cluster *c, int n, const char *name)
+{
+    memset(c, 0, sizeof(*c));
+    if (n < 1 || n > TEST_CLUSTER_MAX) return -1;
+    c->n = n;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(c->dir, sizeof(c->dir), "%s/ductile-%s-XXXXXX", tmp ? tmp : "/tmp", name);
+    if (!mkdtemp(c->dir)) {
+        fprintf(stderr, "test_cluster: mkdtemp: %s\n", strerror(errno));
+        c->dir[0] = 0;
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        c->client_port[i] = test_free_port();
+        c->peer_port[i] = test_free_port();
+        if (c->client_port[i] <= 0 || c->peer_port[i] <= 0) {
+            fprintf(stderr, "test_cluster: no free port\n");
+            return -1;
+        }
+        snprintf(c->client_url[i], sizeof(c->client_url[i]), "http://127.0.0.1:%d",
+                 c->client_port[i]);
+        snprintf(c->peer_url[i], sizeof(c->peer_url[i]), "http://127.0.0.1:%d", c->peer_port[i]);
+    }
+    return 0;
+}
+
+void test_cluster_endpoints(const test_cluster *c, char *buf, size_t len)
+{
+    size_t used = 0;
+    buf[0] = 0;
+    for (int i = 0; i < c->n && used < len; i++)
+        used += (size_t)snprintf(buf + used, len - used, "%s%s", i ? "," : "", c->client_url[i]);
+}
+
+void test_cluster_exec(const test_cluster *c, int i)
+{
+    char name[16], data[300], log[300], cluster[TEST_CLUSTER_MAX * 80] = "";
+    snprintf(name, sizeof(name), "m%d", i);
+    snprintf(data, sizeof(data), "%s/%s", c->dir, name);
+    snprintf(log, sizeof(log), "%s/%s.log", c->dir, name);
+    size_t used = 0;
+    for (int k = 0; k < c->n; k++)
+        used += (size_t)snprintf(cluster + used, sizeof(cluster) - used, "%sm%d=%s", k ? "," : "",
+                                 k, c->peer_url[k]);
+    if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
+    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
+           c->client_url[i], "--advertise-client-urls", c->client_url[i], "--listen-peer-urls",
+           c->peer_url[i], "--initial-advertise-peer-urls", c->peer_url[i], "--initial-cluster",
+           cluster, "--initial-cluster-state", "new", "--initial-cluster-token", c->dir,
+           "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
+           "--log-level", "error", (char *)NULL);
+    _exit(127);
+}
+
+int test_cluster_start(test_cluster *c, int i)
+{
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
+        test_cluster_exec(c, i);
+    }
+    c->pids[i] = pid;
+    return 0;
+}
+
+void test_cluster_kill(test_cluster *c, int i)
+{
+    if (c->pids[i] > 0) {
+        kill(c->pids[i], SIGKILL);
+        waitpid(c->pids[i], NULL, 0);
+        c->pids[i] = 0;
+    }
+}
+
+void test_cluster_stop(test_cluster *c)
+{
+    for (int i = 0; i < c->n; i++)
+        test_cluster_kill(c, i);
+    if (c->dir[0]) {
+        char cmd[300];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", c->dir);
+        if (system(cmd) != 0) fprintf(stderr, "test_cluster: could not remove %s\n", c->dir);
+        c->dir[0] = 0;
+    }
+}

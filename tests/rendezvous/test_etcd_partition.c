@@ -35,11 +35,8 @@
 #define SKIP 77
 #define DEADLINE_MS 15000
 
-static char dir[256];
-static pid_t pids[MEMBERS];
-static char cluster[512];
-static int cport[MEMBERS], pport[MEMBERS];
-static char client_url[MEMBERS][64], peer_url[MEMBERS][64];
+static test_cluster cl; /* member 0 behind its two links, 1 and 2 here */
+
 /* the two veth pairs: peer link 10.214.<net>.1-2, client link .5-6 */
 static int net;
 static char peer_host[16], peer_ns[16], cli_host[16], cli_ns[16];
@@ -55,52 +52,12 @@ static int sh(const char *fmt, ...)
     return system(cmd);
 }
 
-static void kill_member(int i)
-{
-    if (pids[i] > 0) {
-        kill(pids[i], SIGKILL);
-        waitpid(pids[i], NULL, 0);
-        pids[i] = 0;
-    }
-}
-
 static void cleanup(void)
 {
-    for (int i = 0; i < MEMBERS; i++)
-        kill_member(i);
+    test_cluster_stop(&cl);
     /* the veths went with member 0's namespace; this is for a failed start */
     if (peer_host[0]) sh("ip link del %s 2>/dev/null", peer_host);
     if (cli_host[0]) sh("ip link del %s 2>/dev/null", cli_host);
-    if (dir[0]) {
-        sh("rm -rf '%s'", dir);
-        dir[0] = 0;
-    }
-}
-
-static void exec_etcd(int i)
-{
-    char name[16], data[300], log[300];
-    snprintf(name, sizeof(name), "m%d", i);
-    snprintf(data, sizeof(data), "%s/%s", dir, name);
-    snprintf(log, sizeof(log), "%s/%s.log", dir, name);
-    if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
-    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
-           client_url[i], "--advertise-client-urls", client_url[i], "--listen-peer-urls",
-           peer_url[i], "--initial-advertise-peer-urls", peer_url[i], "--initial-cluster", cluster,
-           "--initial-cluster-state", "new", "--initial-cluster-token", dir, "--heartbeat-interval",
-           "50", "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
-           (char *)NULL);
-    _exit(127);
-}
-
-static void start_member(int i)
-{
-    pids[i] = fork();
-    CHECK_OR_EXIT(pids[i] >= 0);
-    if (pids[i] == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        exec_etcd(i);
-    }
 }
 
 /* Member 0 in a new network namespace, wired to this one by two veth pairs
@@ -109,9 +66,9 @@ static int start_member0(void)
 {
     int up[2], go[2];
     CHECK_OR_EXIT(pipe(up) == 0 && pipe(go) == 0);
-    pids[0] = fork();
-    CHECK_OR_EXIT(pids[0] >= 0);
-    if (pids[0] == 0) {
+    cl.pids[0] = fork();
+    CHECK_OR_EXIT(cl.pids[0] >= 0);
+    if (cl.pids[0] == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(up[0]);
         close(go[1]);
@@ -122,7 +79,7 @@ static int start_member0(void)
                "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
                net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
             _exit(1);
-        exec_etcd(0);
+        test_cluster_exec(&cl, 0);
     }
     close(up[1]);
     close(go[0]);
@@ -134,7 +91,7 @@ static int start_member0(void)
         close(go[1]);
         return SKIP;
     }
-    int pid = pids[0];
+    int pid = cl.pids[0];
     if (sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
         sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
         sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host, peer_host) ||
@@ -316,51 +273,45 @@ int main(void)
     snprintf(peer_ns, sizeof(peer_ns), "dtp%dn", id);
     snprintf(cli_host, sizeof(cli_host), "dtc%dh", id);
     snprintf(cli_ns, sizeof(cli_ns), "dtc%dn", id);
-    const char *tmp = getenv("TMPDIR");
-    snprintf(dir, sizeof(dir), "%s/ductile-partition-XXXXXX", tmp ? tmp : "/tmp");
-    CHECK_OR_EXIT(mkdtemp(dir));
     atexit(cleanup);
     signal(SIGPIPE, SIG_IGN);
 
-    snprintf(client_url[0], sizeof(client_url[0]), "http://10.214.%d.6:2379", net);
-    snprintf(peer_url[0], sizeof(peer_url[0]), "http://10.214.%d.2:2380", net);
-    for (int i = 1; i < MEMBERS; i++) {
-        cport[i] = test_free_port();
-        pport[i] = test_free_port();
-        CHECK_OR_EXIT(cport[i] > 0 && pport[i] > 0);
-        snprintf(client_url[i], sizeof(client_url[i]), "http://127.0.0.1:%d", cport[i]);
-        snprintf(peer_url[i], sizeof(peer_url[i]), "http://10.214.%d.1:%d", net, pport[i]);
-    }
-    snprintf(cluster, sizeof(cluster), "m0=%s,m1=%s,m2=%s", peer_url[0], peer_url[1], peer_url[2]);
+    /* member 0 on its own links; 1 and 2 meet it on the peer link's host end */
+    CHECK_OR_EXIT(test_cluster_init(&cl, MEMBERS, "partition") == 0);
+    snprintf(cl.client_url[0], sizeof(cl.client_url[0]), "http://10.214.%d.6:2379", net);
+    snprintf(cl.peer_url[0], sizeof(cl.peer_url[0]), "http://10.214.%d.2:2380", net);
+    for (int i = 1; i < MEMBERS; i++)
+        snprintf(cl.peer_url[i], sizeof(cl.peer_url[i]), "http://10.214.%d.1:%d", net,
+                 cl.peer_port[i]);
     char eps[256];
-    snprintf(eps, sizeof(eps), "%s,%s,%s", client_url[0], client_url[1], client_url[2]);
+    test_cluster_endpoints(&cl, eps, sizeof(eps));
 
     if (start_member0() != 0) {
         fprintf(stderr, "skipped\n");
         return SKIP;
     }
     for (int i = 1; i < MEMBERS; i++)
-        start_member(i);
+        CHECK_OR_EXIT(test_cluster_start(&cl, i) == 0);
 
     /* the cluster forms, and member 0 serves linearizable reads */
     etcd_client *all = test_client(eps, 20000);
     if (etcd_put(all, "/pt/start", "x", 1, 0, NULL) != ETCD_OK) {
-        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(all), dir);
+        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(all), cl.dir);
         return 1;
     }
-    etcd_client *m0 = test_client(client_url[0], 20000);
+    etcd_client *m0 = test_client(cl.client_url[0], 20000);
     etcd_kv kv;
     CHECK_OK(m0, etcd_get(m0, "/pt/start", &kv));
     etcd_kv_free(&kv);
-    etcd_client *m1 = test_client(client_url[1], 20000);
+    etcd_client *m1 = test_client(cl.client_url[1], 20000);
 
     /* a fresh client starts at its first endpoint: the watch is on member 0 */
     etcd_client *c = test_client(eps, 10000);
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/pt/", 1, 0, &w));
     raw_stream with, without;
-    raw_start(&with, client_url[0], 1);
-    raw_start(&without, client_url[0], 0);
+    raw_start(&with, cl.client_url[0], 1);
+    raw_start(&without, cl.client_url[0], 0);
     int64_t end = mono_now_ms() + DEADLINE_MS;
     CHECK_OR_EXIT(raw_wait(&with, "\"created\":true", end) &&
                   raw_wait(&without, "\"created\":true", end));
