@@ -42,23 +42,29 @@ static size_t discard(void *p, size_t s, size_t n, void *u)
     return s * n;
 }
 
-static int answers(const test_etcd *e)
+long test_etcd_post(const char *endpoint, const char *path, const char *body, long timeout_ms)
 {
     CURL *h = curl_easy_init();
-    if (!h) return 0;
-    char url[128];
-    snprintf(url, sizeof(url), "%s/v3/kv/range", e->endpoint);
+    if (!h) return -1;
+    char url[160];
+    snprintf(url, sizeof(url), "%s%s", endpoint, path);
     curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, "{\"key\":\"Lw==\"}");
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1000L);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, timeout_ms);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    long code = 0;
-    int ok = curl_easy_perform(h) == CURLE_OK &&
-             curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code) == CURLE_OK &&
-             (code == 200 || code == 400 || code == 401); /* 400/401: auth is on */
+    long code = -1;
+    if (curl_easy_perform(h) != CURLE_OK ||
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code) != CURLE_OK)
+        code = -1;
     curl_easy_cleanup(h);
-    return ok;
+    return code;
+}
+
+static int answers(const test_etcd *e)
+{
+    long code = test_etcd_post(e->endpoint, "/v3/kv/range", "{\"key\":\"Lw==\"}", 1000);
+    return code == 200 || code == 400 || code == 401; /* 400/401: auth is on */
 }
 
 static int spawn(test_etcd *e)

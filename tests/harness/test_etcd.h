@@ -35,6 +35,9 @@ void test_etcd_kill(test_etcd *e);
 int test_etcd_restart(test_etcd *e);
 /* Stop it and remove the data dir. Safe to call twice. */
 void test_etcd_stop(test_etcd *e);
+/* POSTs a JSON body to endpoint + path (the gateway: "/v3/kv/compaction",
+ * calls the client has no need for); the HTTP status, or -1 without one. */
+long test_etcd_post(const char *endpoint, const char *path, const char *body, long timeout_ms);
 /* A loopback port that was free a moment ago. */
 int test_free_port(void);
 

@@ -10,47 +10,21 @@
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 
-#include <curl/curl.h>
-
 static test_etcd srv;
-
-static size_t discard(void *p, size_t s, size_t n, void *u)
-{
-    (void)p;
-    (void)u;
-    return s * n;
-}
 
 /* An admin call before auth is on; must answer 200. */
 static void admin(const char *path, const char *body)
 {
-    CURL *h = curl_easy_init();
-    CHECK_OR_EXIT(h);
-    char url[160];
-    snprintf(url, sizeof(url), "%s%s", srv.endpoint, path);
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 5000L);
-    long code = 0;
-    CHECK_OR_EXIT(curl_easy_perform(h) == CURLE_OK);
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    long code = test_etcd_post(srv.endpoint, path, body, 5000);
     if (code != 200) fprintf(stderr, "%s: HTTP %ld\n", path, code);
     CHECK_OR_EXIT(code == 200);
-    curl_easy_cleanup(h);
 }
 
 static etcd_client *client_as(const char *user, const char *password)
 {
     etcd_config cfg = {
         .endpoints = srv.endpoint, .user = user, .password = password, .timeout_ms = 5000};
-    etcd_client *c;
-    char err[256];
-    if (etcd_client_new_err(&cfg, &c, err, sizeof(err)) != ETCD_OK) {
-        fprintf(stderr, "client: %s\n", err);
-        exit(1);
-    }
-    return c;
+    return test_client_cfg(&cfg);
 }
 
 int main(void)

@@ -10,36 +10,17 @@
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 
-#include <curl/curl.h>
 #include <signal.h>
 #include <unistd.h>
 
 static test_etcd srv;
 
-static size_t discard(void *p, size_t s, size_t n, void *u)
-{
-    (void)p;
-    (void)u;
-    return s * n;
-}
-
 /* Compact etcd's history up to rev (the client has no call for it). */
 static void compact(int64_t rev)
 {
-    CURL *h = curl_easy_init();
-    CHECK_OR_EXIT(h);
-    char url[128], body[64];
-    snprintf(url, sizeof(url), "%s/v3/kv/compaction", srv.endpoint);
+    char body[64];
     snprintf(body, sizeof(body), "{\"revision\":\"%lld\",\"physical\":true}", (long long)rev);
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 5000L);
-    long code = 0;
-    CHECK_OR_EXIT(curl_easy_perform(h) == CURLE_OK);
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
-    CHECK_OR_EXIT(code == 200);
-    curl_easy_cleanup(h);
+    CHECK_OR_EXIT(test_etcd_post(srv.endpoint, "/v3/kv/compaction", body, 5000) == 200);
 }
 
 static void put_n(etcd_client *c, const char *prefix, int from, int n, int64_t *revs)
@@ -238,11 +219,7 @@ static void test_failover(void)
     c = test_client(eps, 3000);
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/f/fo/k", 0, rev, &w));
-    etcd_event *ev;
-    etcd_err last;
-    size_t got = test_watch_collect(w, 1, 5000, &ev, &last);
-    CHECK_OR_EXIT(got == 1 && ev[0].kv.mod_revision == rev);
-    etcd_events_free(ev, got);
+    CHECK_OR_EXIT(test_watch_one_rev(w, 5000) == rev);
     etcd_watch_close(w);
     etcd_client_free(c);
 }

@@ -104,13 +104,7 @@ static etcd_client *tls_client(const char *ep, const char *ca, const char *cert,
                        .cert = cert ? paths[1] : NULL,
                        .key = key ? paths[2] : NULL,
                        .timeout_ms = timeout_ms};
-    etcd_client *c;
-    char err[256];
-    if (etcd_client_new_err(&cfg, &c, err, sizeof(err)) != ETCD_OK) {
-        fprintf(stderr, "client: %s\n", err);
-        exit(1);
-    }
-    return c;
+    return test_client_cfg(&cfg);
 }
 
 int main(void)
@@ -142,11 +136,7 @@ int main(void)
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/tls/", 1, 0, &w));
     CHECK_OK(c, etcd_put(c, "/tls/k2", "w", 1, 0, &rev));
-    etcd_event *ev;
-    etcd_err last;
-    size_t got = test_watch_collect(w, 1, 5000, &ev, &last);
-    CHECK_OR_EXIT(got == 1 && ev[0].kv.mod_revision == rev);
-    etcd_events_free(ev, got);
+    CHECK_OR_EXIT(test_watch_one_rev(w, 5000) == rev);
     etcd_watch_close(w);
     etcd_client_free(c);
 

@@ -38,16 +38,22 @@
         }                                                                                          \
     } while (0)
 
-static inline etcd_client *test_client(const char *endpoints, int timeout_ms)
+/* A client that must be made. */
+static inline etcd_client *test_client_cfg(const etcd_config *cfg)
 {
-    etcd_config cfg = {.endpoints = endpoints, .timeout_ms = timeout_ms};
     etcd_client *c = NULL;
     char err[256];
-    if (etcd_client_new_err(&cfg, &c, err, sizeof(err)) != ETCD_OK) {
-        fprintf(stderr, "etcd_client_new(%s): %s\n", endpoints, err);
+    if (etcd_client_new_err(cfg, &c, err, sizeof(err)) != ETCD_OK) {
+        fprintf(stderr, "etcd_client_new(%s): %s\n", cfg->endpoints, err);
         exit(1);
     }
     return c;
+}
+
+static inline etcd_client *test_client(const char *endpoints, int timeout_ms)
+{
+    etcd_config cfg = {.endpoints = endpoints, .timeout_ms = timeout_ms};
+    return test_client_cfg(&cfg);
 }
 
 /* Collect watch events until n have arrived or timeout_ms passed; returns
@@ -77,6 +83,18 @@ static inline size_t test_watch_collect(etcd_watch *w, size_t n, int timeout_ms,
     }
     *out = all;
     return got;
+}
+
+/* The mod revision of the one event a watch gives within timeout_ms, or -1
+ * when none or more came. */
+static inline int64_t test_watch_one_rev(etcd_watch *w, int timeout_ms)
+{
+    etcd_event *ev;
+    etcd_err last;
+    size_t got = test_watch_collect(w, 1, timeout_ms, &ev, &last);
+    int64_t rev = got == 1 ? ev[0].kv.mod_revision : -1;
+    etcd_events_free(ev, got);
+    return rev;
 }
 
 #endif
