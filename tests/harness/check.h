@@ -59,31 +59,19 @@ check_report(const char *file, int line, const char *cond, const char *fmt, ...)
     fputc('\n', stderr);
 }
 
-#define CHECK_REPORT_(cond, ...) check_report(__FILE__, __LINE__, #cond, ": " __VA_ARGS__)
-
-#define CHECK(cond, ...)                                                                           \
+/* The three forms, by what follows a report. The condition is made text
+ * here, before it passes to another macro, so it reads as written. */
+#define CHECK_THEN_(cond, text, then, ...)                                                         \
     do {                                                                                           \
         if (!(cond)) {                                                                             \
-            CHECK_REPORT_(cond, __VA_ARGS__);                                                      \
-            check_fail();                                                                          \
+            check_report(__FILE__, __LINE__, text, ": " __VA_ARGS__);                              \
+            then;                                                                                  \
         }                                                                                          \
     } while (0)
 
-#define CHECK_OR_RETURN(cond, ...)                                                                 \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            CHECK_REPORT_(cond, __VA_ARGS__);                                                      \
-            return 1;                                                                              \
-        }                                                                                          \
-    } while (0)
-
-#define CHECK_OR_EXIT(cond, ...)                                                                   \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            CHECK_REPORT_(cond, __VA_ARGS__);                                                      \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#define CHECK(cond, ...) CHECK_THEN_(cond, #cond, check_fail(), __VA_ARGS__)
+#define CHECK_OR_RETURN(cond, ...) CHECK_THEN_(cond, #cond, return 1, __VA_ARGS__)
+#define CHECK_OR_EXIT(cond, ...) CHECK_THEN_(cond, #cond, exit(1), __VA_ARGS__)
 
 /* Says how the checks went; the exit status for main (0: all passed). */
 static inline int check_finish(const char *name)

@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,16 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+int test_sh(const char *fmt, ...)
+{
+    char cmd[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    return system(cmd);
+}
 
 int test_free_port(void)
 {
@@ -165,9 +176,8 @@ void test_etcd_stop(test_etcd *e)
         test_etcd_kill(e);
     }
     if (e->data_dir[0]) {
-        char cmd[600];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s'", e->data_dir, e->log_path);
-        if (system(cmd) != 0) fprintf(stderr, "test_etcd: could not remove %s\n", e->data_dir);
+        if (test_sh("rm -rf '%s' '%s'", e->data_dir, e->log_path) != 0)
+            fprintf(stderr, "test_etcd: could not remove %s\n", e->data_dir);
         e->data_dir[0] = 0;
     }
 }
@@ -254,9 +264,8 @@ void test_cluster_stop(test_cluster *c)
     for (int i = 0; i < c->n; i++)
         test_cluster_kill(c, i);
     if (c->dir[0]) {
-        char cmd[300];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", c->dir);
-        if (system(cmd) != 0) fprintf(stderr, "test_cluster: could not remove %s\n", c->dir);
+        if (test_sh("rm -rf '%s'", c->dir) != 0)
+            fprintf(stderr, "test_cluster: could not remove %s\n", c->dir);
         c->dir[0] = 0;
     }
 }

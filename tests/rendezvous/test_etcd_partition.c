@@ -25,7 +25,6 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -41,23 +40,12 @@ static test_cluster cl; /* member 0 behind its two links, 1 and 2 here */
 static int net;
 static char peer_host[16], peer_ns[16], cli_host[16], cli_ns[16];
 
-static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int sh(const char *fmt, ...)
-{
-    char cmd[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    return system(cmd);
-}
-
 static void cleanup(void)
 {
     test_cluster_stop(&cl);
     /* the veths went with member 0's namespace; this is for a failed start */
-    if (peer_host[0]) sh("ip link del %s 2>/dev/null", peer_host);
-    if (cli_host[0]) sh("ip link del %s 2>/dev/null", cli_host);
+    if (peer_host[0]) test_sh("ip link del %s 2>/dev/null", peer_host);
+    if (cli_host[0]) test_sh("ip link del %s 2>/dev/null", cli_host);
 }
 
 /* Member 0 in a new network namespace, wired to this one by two veth pairs
@@ -75,9 +63,10 @@ static int start_member0(void)
         char ok = unshare(CLONE_NEWNET) == 0;
         if (write(up[1], &ok, 1) != 1 || !ok) _exit(SKIP);
         if (read(go[0], &ok, 1) != 1) _exit(1);
-        if (sh("ip link set lo up && ip addr add 10.214.%d.2/30 dev %s && ip link set %s up && "
-               "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
-               net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
+        if (test_sh(
+                "ip link set lo up && ip addr add 10.214.%d.2/30 dev %s && ip link set %s up && "
+                "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
+                net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
             _exit(1);
         test_cluster_exec(&cl, 0);
     }
@@ -92,10 +81,12 @@ static int start_member0(void)
         return SKIP;
     }
     int pid = cl.pids[0];
-    if (sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
-        sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
-        sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host, peer_host) ||
-        sh("ip addr add 10.214.%d.5/30 dev %s && ip link set %s up", net, cli_host, cli_host)) {
+    if (test_sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
+        test_sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
+        test_sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host,
+                peer_host) ||
+        test_sh("ip addr add 10.214.%d.5/30 dev %s && ip link set %s up", net, cli_host,
+                cli_host)) {
         fprintf(stderr, "cannot make veth pairs\n");
         close(go[1]);
         return SKIP;
@@ -322,7 +313,7 @@ int main(void)
 
     /* member 0 loses its peers; its clients' link stays up */
     fprintf(stderr, "peer link of member 0 down\n");
-    CHECK_OR_EXIT(sh("ip link set %s down", peer_host) == 0);
+    CHECK_OR_EXIT(test_sh("ip link set %s down", peer_host) == 0);
     int64_t rev = put(m1, "/pt/b", "after");
     int64_t put_at = mono_now_ms();
     expect_event(w, "/pt/b", "after");

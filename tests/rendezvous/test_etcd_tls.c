@@ -11,7 +11,6 @@
 #include "test_etcd_util.h"
 
 #include <signal.h>
-#include <stdarg.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,37 +18,29 @@
 static char dir[256];
 static pid_t etcd_pid;
 
-static void sh(const char *fmt, ...)
-{
-    char cmd[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    if (system(cmd) != 0) {
-        fprintf(stderr, "failed: %s\n", cmd);
-        exit(1);
-    }
-}
-
-static void make_certs(void)
+/* A CA, another CA, and server and client certificates signed by the
+ * first; 0 when openssl made them all. */
+static int make_certs(void)
 {
     const char *q = "2>/dev/null";
-    sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
-       "-subj /CN=ductile-test-ca %s",
-       dir, q);
-    sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem "
-       "-days 2 -subj /CN=other-ca %s",
-       dir, q);
-    sh("cd %s && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,clientAuth\\n' "
-       "> ext.cnf",
-       dir);
+    if (test_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
+                "-days 2 -subj /CN=ductile-test-ca %s",
+                dir, q) != 0 ||
+        test_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key "
+                "-out other.pem -days 2 -subj /CN=other-ca %s",
+                dir, q) != 0 ||
+        test_sh("cd %s && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,"
+                "clientAuth\\n' > ext.cnf",
+                dir) != 0)
+        return -1;
     const char *names[] = {"server", "client"};
     for (int i = 0; i < 2; i++)
-        sh("cd %s && openssl req -newkey rsa:2048 -nodes -keyout %s.key -out %s.csr "
-           "-subj /CN=%s %s && openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key "
-           "-CAcreateserial -out %s.pem -days 2 -extfile ext.cnf %s",
-           dir, names[i], names[i], names[i], q, names[i], names[i], q);
+        if (test_sh("cd %s && openssl req -newkey rsa:2048 -nodes -keyout %s.key -out %s.csr "
+                    "-subj /CN=%s %s && openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key "
+                    "-CAcreateserial -out %s.pem -days 2 -extfile ext.cnf %s",
+                    dir, names[i], names[i], names[i], q, names[i], names[i], q) != 0)
+            return -1;
+    return 0;
 }
 
 static void start_etcd(int port, int peer)
@@ -85,9 +76,7 @@ static void stop_etcd(void)
         etcd_pid = 0;
     }
     if (dir[0]) {
-        char cmd[300];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-        if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+        if (test_sh("rm -rf '%s'", dir) != 0) fprintf(stderr, "could not remove %s\n", dir);
         dir[0] = 0;
     }
 }
@@ -113,7 +102,7 @@ int main(void)
     snprintf(dir, sizeof(dir), "%s/ductile-tls-XXXXXX", tmp ? tmp : "/tmp");
     CHECK_OR_EXIT(mkdtemp(dir));
     atexit(stop_etcd); /* a failed CHECK exits: still stop etcd and remove the files */
-    make_certs();
+    CHECK_OR_EXIT(make_certs() == 0, "openssl could not make the certificates");
     int port = test_free_port(), peer = test_free_port();
     CHECK_OR_EXIT(port > 0 && peer > 0 && port != peer);
     start_etcd(port, peer);

@@ -210,6 +210,17 @@ static void test_round_without_abort(void)
     fx_close(&f);
 }
 
+/* A trainer of round 1 rebuilding into round 2: it has read `round 2` and
+ * has no communicator of round 2 yet. */
+static int fx_open_rebuilding(fixture *f)
+{
+    if (fx_open(f, 1) != 0) return -1;
+    say_round(f, 2);
+    CHECK(saw_round(f->e, 2), "round 2 not seen");
+    elastic_attach(f->e, NULL, 2);
+    return 0;
+}
+
 /* A lost abort of an older round, or an abort for the current round that
  * came before its group formed (as in a rebuild). */
 static void test_rounds_and_attach(void)
@@ -224,10 +235,7 @@ static void test_rounds_and_attach(void)
     fx_close(&f);
 
     /* Rebuilding into round 2: the agent already ended it as lost. */
-    if (fx_open(&f, 1) != 0) return;
-    say_round(&f, 2);
-    CHECK(saw_round(f.e, 2), "round 2 not seen");
-    elastic_attach(f.e, NULL, 2);
+    if (fx_open_rebuilding(&f) != 0) return;
     say(&f, "abort 2 lost\n");
     CHECK(ending_within(f.e, DEADLINE_MS), "abort 2 not seen");
     elastic_attach(f.e, f.c, 2);
@@ -236,10 +244,7 @@ static void test_rounds_and_attach(void)
 
     /* ... or as graceful, and round 3 is known too: the new group may still
      * agree and finish a step; nothing aborts it. */
-    if (fx_open(&f, 1) != 0) return;
-    say_round(&f, 2);
-    CHECK(saw_round(f.e, 2), "round 2 not seen");
-    elastic_attach(f.e, NULL, 2);
+    if (fx_open_rebuilding(&f) != 0) return;
     say(&f, "abort 2 graceful\n");
     CHECK(ending_within(f.e, DEADLINE_MS), "abort 2 not seen");
     say_round(&f, 3);
