@@ -34,6 +34,22 @@ static etcd_err range_script(const fake_reply *r, size_t n, int *reqs)
     return e;
 }
 
+/* A range over the script: it succeeds, every answer asked for (retried). */
+static void expect_range_retried(const fake_reply *r, size_t n)
+{
+    int reqs;
+    CHECK_OK(c, range_script(r, n, &reqs));
+    CHECK_OR_EXIT(reqs == (int)n);
+}
+
+/* A put over the script: it may have been applied, so it is not sent again. */
+static void expect_put_not_resent(const fake_reply *r, size_t n)
+{
+    fake_script(&fk, r, n);
+    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
+    CHECK_OR_EXIT(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+}
+
 /* A 200 answer with this body must give want and a message with hint. */
 static void expect_range(const char *body, etcd_err want, const char *hint)
 {
@@ -158,28 +174,21 @@ static void test_errors_and_retries(void)
     int reqs;
     /* transient: retried, then the good answer */
     fake_reply s1[] = {{.data = unavail}, {.data = proxy}, {.data = unavail}, {.data = ok}};
-    CHECK_OK(c, range_script(s1, 4, &reqs));
-    CHECK_OR_EXIT(reqs == 4);
+    expect_range_retried(s1, 4);
     /* a truncated answer to a range is a broken connection: retried */
     const char *trunc =
         "HTTP/1.1 200 X\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"kvs\":[";
     fake_reply s2[] = {{.data = trunc}, {.data = ok}};
-    CHECK_OK(c, range_script(s2, 2, &reqs));
-    CHECK_OR_EXIT(reqs == 2);
+    expect_range_retried(s2, 2);
     /* ... but a put that may have been applied is not sent again */
-    fake_script(&fk, s2, 2);
-    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
-    CHECK_OR_EXIT(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    expect_put_not_resent(s2, 2);
     /* etcd's "request timed out" comes after proposing: a range is asked
      * again, a put is not (it may have been applied) */
     char *timedout = fake_http(503, "{\"error\":\"x\",\"code\":14,\"message\":\"etcdserver: "
                                     "request timed out\"}");
     fake_reply s2b[] = {{.data = timedout}, {.data = ok}};
-    CHECK_OK(c, range_script(s2b, 2, &reqs));
-    CHECK_OR_EXIT(reqs == 2);
-    fake_script(&fk, s2b, 2);
-    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
-    CHECK_OR_EXIT(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    expect_range_retried(s2b, 2);
+    expect_put_not_resent(s2b, 2);
     free(timedout);
     /* a put whose connection was refused before sending is retried (see
      * test_etcd_failure's failover); answers that are verdicts are not */
