@@ -182,7 +182,7 @@ static void raw_start(raw_stream *r, const char *endpoint, int hasleader)
     r->hasleader = hasleader;
     snprintf(r->url, sizeof(r->url), "%s/v3/watch", endpoint);
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
+    CHECK_OR_EXIT(mono_cond_init(&r->cv) == 0);
     atomic_init(&r->stop, 0);
     CHECK_OR_EXIT(pthread_create(&r->thread, NULL, raw_run, r) == 0);
 }
@@ -199,12 +199,7 @@ static int raw_wait(raw_stream *r, const char *needle, int64_t end_ms)
             pthread_mutex_unlock(&r->mu);
             return hit;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t step = left < 200 ? left : 200;
-        ts.tv_nsec += (long)(step * 1000000);
-        ts.tv_sec += ts.tv_nsec / 1000000000;
-        ts.tv_nsec %= 1000000000;
+        struct timespec ts = mono_deadline(left < 200 ? left : 200);
         pthread_cond_timedwait(&r->cv, &r->mu, &ts);
     }
 }
