@@ -15,7 +15,6 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 void tp_init(tp_set *s, const char *exe, const char *endpoint, const char *job)

@@ -25,7 +25,6 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 static const char *g_etcd; /* NULL: socketpairs */
