@@ -4,20 +4,11 @@
  * (bad numbers, ranks out of range, missing or extra words, overlong lines)
  * is refused rather than half-read.
  */
+#include "check.h"
 #include "ductile/control.h"
 
 #include <stdio.h>
 #include <string.h>
-
-static int failures;
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);               \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
 
 static void roundtrip(const ctl_msg *m)
 {
@@ -98,7 +89,7 @@ int main(void)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         if (ctl_parse(bad[i], &out) == 0) {
             fprintf(stderr, "accepted a bad line: '%s'\n", bad[i]);
-            failures++;
+            check_fail();
         }
     }
     char longline[CTL_MAX_LINE + 10];
@@ -112,7 +103,7 @@ int main(void)
     CHECK(ctl_format(&m, buf, 8) < 0); /* does not fit */
     ctl_msg none = {.type = CTL_INVALID};
     CHECK(ctl_format(&none, buf, sizeof(buf)) < 0);
-    if (failures) return 1;
+    if (check_failures()) return 1;
     printf("ok control protocol\n");
     return 0;
 }

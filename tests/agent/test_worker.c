@@ -20,6 +20,7 @@
  * when a collective loses a peer). It also prints "hello from rank R" on
  * stdout and "stderr of rank R" on stderr.
  */
+#include "ductile/clock.h"
 #include "ductile/control.h"
 
 #include <arpa/inet.h>
@@ -34,7 +35,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 static volatile sig_atomic_t got_term;
@@ -79,13 +79,6 @@ static void write_env(const char *dir)
     rename(tmp, path);
 }
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 static int read_cmd(const char *dir, char *cmd, size_t len)
 {
     char path[512];
@@ -117,10 +110,10 @@ static int mesh_open(int rank)
         if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || listen(fd, 64) != 0) return -1;
         return fd;
     }
-    double deadline = now() + 15;
+    double deadline = mono_now_s() + 15;
     while (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
         close(fd);
-        if (now() > deadline) return -1;
+        if (mono_now_s() > deadline) return -1;
         usleep(100 * 1000);
         fd = socket(AF_INET, SOCK_STREAM, 0);
     }
@@ -173,7 +166,7 @@ int main(void)
     int hang = 0, segv_on_term = 0;
     long step = 0;
     long long round = getenv("DUCTILE_ROUND") ? atoll(getenv("DUCTILE_ROUND")) : 0;
-    double next_step = now() + 0.5;
+    double next_step = mono_now_s() + 0.5;
     for (;;) {
         if (got_term) {
             got_term = 0;
@@ -269,11 +262,11 @@ int main(void)
                 }
             }
         }
-        if (!hang && ctl >= 0 && now() >= next_step) {
+        if (!hang && ctl >= 0 && mono_now_s() >= next_step) {
             char line[64];
             int len = snprintf(line, sizeof(line), "step %ld\n", ++step);
             if (write(ctl, line, (size_t)len) != len) ctl = -1;
-            next_step = now() + 0.5;
+            next_step = mono_now_s() + 0.5;
         }
     }
 }

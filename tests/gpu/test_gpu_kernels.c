@@ -453,5 +453,5 @@ int main(void)
                         .kernel = 3};
     test_model(&mlp, "mlp");
     test_model(&cnn, "cnn");
-    return test_finish("test_gpu_kernels");
+    return check_finish("test_gpu_kernels");
 }

@@ -5,20 +5,32 @@
  */
 #include "test_etcd.h"
 
+#include "ductile/clock.h"
+
 #include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
+
+int test_sh(const char *fmt, ...)
+{
+    char cmd[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    return system(cmd);
+}
 
 int test_free_port(void)
 {
@@ -41,30 +53,29 @@ static size_t discard(void *p, size_t s, size_t n, void *u)
     return s * n;
 }
 
-static int answers(const test_etcd *e)
+long test_etcd_post(const char *endpoint, const char *path, const char *body, long timeout_ms)
 {
     CURL *h = curl_easy_init();
-    if (!h) return 0;
-    char url[128];
-    snprintf(url, sizeof(url), "%s/v3/kv/range", e->endpoint);
+    if (!h) return -1;
+    char url[160];
+    snprintf(url, sizeof(url), "%s%s", endpoint, path);
     curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, "{\"key\":\"Lw==\"}");
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1000L);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, timeout_ms);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    long code = 0;
-    int ok = curl_easy_perform(h) == CURLE_OK &&
-             curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code) == CURLE_OK &&
-             (code == 200 || code == 400 || code == 401); /* 400/401: auth is on */
+    long code = -1;
+    if (curl_easy_perform(h) != CURLE_OK ||
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code) != CURLE_OK)
+        code = -1;
     curl_easy_cleanup(h);
-    return ok;
+    return code;
 }
 
-static double now_s(void)
+static int answers(const test_etcd *e)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
+    long code = test_etcd_post(e->endpoint, "/v3/kv/range", "{\"key\":\"Lw==\"}", 1000);
+    return code == 200 || code == 400 || code == 401; /* 400/401: auth is on */
 }
 
 static int spawn(test_etcd *e)
@@ -91,8 +102,8 @@ static int spawn(test_etcd *e)
         _exit(127);
     }
     e->pid = pid;
-    double deadline = now_s() + 15.0;
-    while (now_s() < deadline) {
+    double deadline = mono_now_s() + 15.0;
+    while (mono_now_s() < deadline) {
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {
             e->pid = 0;
@@ -129,6 +140,16 @@ int test_etcd_start(test_etcd *e)
     return -1;
 }
 
+const char *test_etcd_shared_or_start(test_etcd *e)
+{
+    const char *shared = getenv("DUCTILE_TEST_ETCD");
+    if (shared) {
+        memset(e, 0, sizeof(*e));
+        return shared;
+    }
+    return test_etcd_start(e) == 0 ? e->endpoint : NULL;
+}
+
 void test_etcd_kill(test_etcd *e)
 {
     if (e->pid > 0) {
@@ -148,15 +169,103 @@ void test_etcd_stop(test_etcd *e)
 {
     if (e->pid > 0) {
         kill(e->pid, SIGTERM);
-        double deadline = now_s() + 5.0;
+        double deadline = mono_now_s() + 5.0;
         int st;
-        while (waitpid(e->pid, &st, WNOHANG) == 0 && now_s() < deadline) usleep(20 * 1000);
+        while (waitpid(e->pid, &st, WNOHANG) == 0 && mono_now_s() < deadline)
+            usleep(20 * 1000);
         test_etcd_kill(e);
     }
     if (e->data_dir[0]) {
-        char cmd[600];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s'", e->data_dir, e->log_path);
-        if (system(cmd) != 0) fprintf(stderr, "test_etcd: could not remove %s\n", e->data_dir);
+        if (test_sh("rm -rf '%s' '%s'", e->data_dir, e->log_path) != 0)
+            fprintf(stderr, "test_etcd: could not remove %s\n", e->data_dir);
         e->data_dir[0] = 0;
+    }
+}
+
+/* ---- a cluster of real etcd members ---- */
+
+int test_cluster_init(test_cluster *c, int n, const char *name)
+{
+    memset(c, 0, sizeof(*c));
+    if (n < 1 || n > TEST_CLUSTER_MAX) return -1;
+    c->n = n;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(c->dir, sizeof(c->dir), "%s/ductile-%s-XXXXXX", tmp ? tmp : "/tmp", name);
+    if (!mkdtemp(c->dir)) {
+        fprintf(stderr, "test_cluster: mkdtemp: %s\n", strerror(errno));
+        c->dir[0] = 0;
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        c->client_port[i] = test_free_port();
+        c->peer_port[i] = test_free_port();
+        if (c->client_port[i] <= 0 || c->peer_port[i] <= 0) {
+            fprintf(stderr, "test_cluster: no free port\n");
+            return -1;
+        }
+        snprintf(c->client_url[i], sizeof(c->client_url[i]), "http://127.0.0.1:%d",
+                 c->client_port[i]);
+        snprintf(c->peer_url[i], sizeof(c->peer_url[i]), "http://127.0.0.1:%d", c->peer_port[i]);
+    }
+    return 0;
+}
+
+void test_cluster_endpoints(const test_cluster *c, char *buf, size_t len)
+{
+    size_t used = 0;
+    buf[0] = 0;
+    for (int i = 0; i < c->n && used < len; i++)
+        used += (size_t)snprintf(buf + used, len - used, "%s%s", i ? "," : "", c->client_url[i]);
+}
+
+void test_cluster_exec(const test_cluster *c, int i)
+{
+    char name[16], data[300], log[300], cluster[TEST_CLUSTER_MAX * 80] = "";
+    snprintf(name, sizeof(name), "m%d", i);
+    snprintf(data, sizeof(data), "%s/%s", c->dir, name);
+    snprintf(log, sizeof(log), "%s/%s.log", c->dir, name);
+    size_t used = 0;
+    for (int k = 0; k < c->n; k++)
+        used += (size_t)snprintf(cluster + used, sizeof(cluster) - used, "%sm%d=%s", k ? "," : "",
+                                 k, c->peer_url[k]);
+    if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
+    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
+           c->client_url[i], "--advertise-client-urls", c->client_url[i], "--listen-peer-urls",
+           c->peer_url[i], "--initial-advertise-peer-urls", c->peer_url[i], "--initial-cluster",
+           cluster, "--initial-cluster-state", "new", "--initial-cluster-token", c->dir,
+           "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
+           "--log-level", "error", (char *)NULL);
+    _exit(127);
+}
+
+int test_cluster_start(test_cluster *c, int i)
+{
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
+        test_cluster_exec(c, i);
+    }
+    c->pids[i] = pid;
+    return 0;
+}
+
+void test_cluster_kill(test_cluster *c, int i)
+{
+    if (c->pids[i] > 0) {
+        kill(c->pids[i], SIGKILL);
+        waitpid(c->pids[i], NULL, 0);
+        c->pids[i] = 0;
+    }
+}
+
+void test_cluster_stop(test_cluster *c)
+{
+    for (int i = 0; i < c->n; i++)
+        test_cluster_kill(c, i);
+    if (c->dir[0]) {
+        if (test_sh("rm -rf '%s'", c->dir) != 0)
+            fprintf(stderr, "test_cluster: could not remove %s\n", c->dir);
+        c->dir[0] = 0;
     }
 }

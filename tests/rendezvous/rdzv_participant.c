@@ -13,6 +13,7 @@
  * without leaving (peers then see the lease expire). --failpoints sets
  * DUCTILE_FAILPOINTS for this process (failpoint.h).
  */
+#include "ductile/clock.h"
 #include "ductile/rdzv.h"
 
 #include <errno.h>
@@ -20,7 +21,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 static const char *err_name(rdzv_err e)
@@ -30,13 +30,6 @@ static const char *err_name(rdzv_err e)
                                   "duplicate", "closed",    "protocol"};
     if ((int)e < 0 || (size_t)e >= sizeof(names) / sizeof(names[0])) return "unknown";
     return names[e];
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
 /* Replaces spaces so that a reason stays one field. */
@@ -76,8 +69,8 @@ static int print_event(const char *node, rdzv_event *ev, int *frozen_count)
         int first = r->my_rank >= 0 ? r->members[r->my_rank].first_global_rank : -1;
         printf("FROZEN node=%s t=%.3f round=%lld rank=%d nmembers=%d world=%d first=%d "
                "restarts=%lld members=",
-               node, now_s(), (long long)r->number, r->my_rank, r->nmembers, r->world_size, first,
-               (long long)r->restarts);
+               node, mono_now_s(), (long long)r->number, r->my_rank, r->nmembers, r->world_size,
+               first, (long long)r->restarts);
         for (int i = 0; i < r->nmembers; i++)
             printf("%s%s", i ? "," : "", r->members[i].node_id);
         printf("\n");
@@ -85,12 +78,12 @@ static int print_event(const char *node, rdzv_event *ev, int *frozen_count)
         return 0;
     }
     case RDZV_EV_ROUND_ENDED:
-        printf("ENDED node=%s t=%.3f round=%lld cause=%s by=%s\n", node, now_s(),
+        printf("ENDED node=%s t=%.3f round=%lld cause=%s by=%s\n", node, mono_now_s(),
                (long long)ev->round_number, rdzv_cause_name(ev->cause),
                ev->node[0] ? ev->node : "-");
         return 0;
     case RDZV_EV_SPARE:
-        printf("SPARE node=%s t=%.3f\n", node, now_s());
+        printf("SPARE node=%s t=%.3f\n", node, mono_now_s());
         return 0;
     case RDZV_EV_JOB_DONE:
         printf("JOB_DONE node=%s\n", node);
@@ -163,7 +156,7 @@ int main(int argc, char **argv)
         printf("OPEN_ERR node=%s err=%s msg=%s\n", cfg.node_id, err_name(err), msg);
         return 1;
     }
-    printf("OPEN ok node=%s t=%.3f\n", cfg.node_id, now_s());
+    printf("OPEN ok node=%s t=%.3f\n", cfg.node_id, mono_now_s());
 
     int frozen = 0, done = 0, stdin_open = 1, left = 0;
     char line[512];

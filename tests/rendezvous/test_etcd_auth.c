@@ -10,47 +10,21 @@
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 
-#include <curl/curl.h>
-
 static test_etcd srv;
-
-static size_t discard(void *p, size_t s, size_t n, void *u)
-{
-    (void)p;
-    (void)u;
-    return s * n;
-}
 
 /* An admin call before auth is on; must answer 200. */
 static void admin(const char *path, const char *body)
 {
-    CURL *h = curl_easy_init();
-    CHECK(h);
-    char url[160];
-    snprintf(url, sizeof(url), "%s%s", srv.endpoint, path);
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 5000L);
-    long code = 0;
-    CHECK(curl_easy_perform(h) == CURLE_OK);
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    long code = test_etcd_post(srv.endpoint, path, body, 5000);
     if (code != 200) fprintf(stderr, "%s: HTTP %ld\n", path, code);
-    CHECK(code == 200);
-    curl_easy_cleanup(h);
+    CHECK_OR_EXIT(code == 200);
 }
 
 static etcd_client *client_as(const char *user, const char *password)
 {
     etcd_config cfg = {
         .endpoints = srv.endpoint, .user = user, .password = password, .timeout_ms = 5000};
-    etcd_client *c;
-    char err[256];
-    if (etcd_client_new_err(&cfg, &c, err, sizeof(err)) != ETCD_OK) {
-        fprintf(stderr, "client: %s\n", err);
-        exit(1);
-    }
-    return c;
+    return test_client_cfg(&cfg);
 }
 
 int main(void)
@@ -66,7 +40,7 @@ int main(void)
     CHECK_OK(c, etcd_put(c, "/a/k", "v", 1, 0, &rev));
     etcd_kv kv;
     CHECK_OK(c, etcd_get(c, "/a/k", &kv));
-    CHECK(kv.mod_revision == rev);
+    CHECK_OR_EXIT(kv.mod_revision == rev);
     etcd_kv_free(&kv);
     etcd_cmp cmp = {.key = "/a/k",
                     .target = ETCD_CMP_VALUE,
@@ -76,7 +50,7 @@ int main(void)
     etcd_op op = {.type = ETCD_OP_PUT, .key = "/a/k", .value = "w", .value_len = 1};
     etcd_txn_result t;
     CHECK_OK(c, etcd_txn(c, &cmp, 1, &op, 1, NULL, 0, &t));
-    CHECK(t.succeeded);
+    CHECK_OR_EXIT(t.succeeded);
     etcd_txn_result_free(&t);
     CHECK_OK(c, etcd_lease_grant(c, 30, &id));
     CHECK_OK(c, etcd_lease_keepalive(c, id, &ttl));
@@ -87,7 +61,7 @@ int main(void)
     /* wrong password, no credentials, a user with no role */
     etcd_client *bad = client_as("root", "wrong");
     CHECK_ERR(bad, ETCD_ERR_AUTH, etcd_get(bad, "/a/k", &kv));
-    CHECK(strstr(etcd_last_error(bad), "authentication failed"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(bad), "authentication failed"));
     etcd_watch *bw = NULL;
     CHECK_ERR(bad, ETCD_ERR_AUTH, etcd_watch_open(bad, "/a/", 1, 0, &bw));
     etcd_client_free(bad);
@@ -97,12 +71,12 @@ int main(void)
     etcd_client_free(anon);
     etcd_client *alice = client_as("alice", "apw");
     CHECK_ERR(alice, ETCD_ERR_AUTH, etcd_put(alice, "/a/k", "x", 1, 0, NULL));
-    CHECK(strstr(etcd_last_error(alice), "permission denied"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(alice), "permission denied"));
     etcd_client_free(alice);
 
     /* a restart forgets every token: the client logs in again, once */
     test_etcd_kill(&srv);
-    CHECK(test_etcd_restart(&srv) == 0);
+    CHECK_OR_EXIT(test_etcd_restart(&srv) == 0);
     CHECK_OK(c, etcd_put(c, "/a/after", "1", 1, 0, &rev));
     CHECK_OK(c, etcd_get(c, "/a/after", &kv));
     etcd_kv_free(&kv);
@@ -111,19 +85,20 @@ int main(void)
     etcd_err last;
     size_t got = test_watch_collect(w, 1, 10000, &ev, &last);
     if (got != 1) fprintf(stderr, "watch: %s\n", etcd_watch_last_error(w));
-    CHECK(got == 1 && strcmp(ev[0].kv.key, "/a/after") == 0 && ev[0].kv.mod_revision == rev);
+    CHECK_OR_EXIT(got == 1 && strcmp(ev[0].kv.key, "/a/after") == 0 &&
+                  ev[0].kv.mod_revision == rev);
     etcd_events_free(ev, got);
     CHECK_OK(c, etcd_put(c, "/a/later", "2", 1, 0, NULL));
     got = test_watch_collect(w, 1, 5000, &ev, &last);
-    CHECK(got == 1 && strcmp(ev[0].kv.key, "/a/later") == 0);
+    CHECK_OR_EXIT(got == 1 && strcmp(ev[0].kv.key, "/a/later") == 0);
     etcd_events_free(ev, got);
     etcd_watch_close(w);
 
     /* configuration errors: a user without a password */
     etcd_config cfg = {.endpoints = srv.endpoint, .user = "root"};
     char err[256];
-    CHECK(etcd_client_new_err(&cfg, &bad, err, sizeof(err)) == ETCD_ERR_ARG && bad == NULL);
-    CHECK(strstr(err, "password"));
+    CHECK_OR_EXIT(etcd_client_new_err(&cfg, &bad, err, sizeof(err)) == ETCD_ERR_ARG && bad == NULL);
+    CHECK_OR_EXIT(strstr(err, "password"));
 
     etcd_client_free(c);
     test_etcd_stop(&srv);

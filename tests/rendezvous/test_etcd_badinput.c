@@ -34,6 +34,22 @@ static etcd_err range_script(const fake_reply *r, size_t n, int *reqs)
     return e;
 }
 
+/* A range over the script: it succeeds, every answer asked for (retried). */
+static void expect_range_retried(const fake_reply *r, size_t n)
+{
+    int reqs;
+    CHECK_OK(c, range_script(r, n, &reqs));
+    CHECK_OR_EXIT(reqs == (int)n);
+}
+
+/* A put over the script: it may have been applied, so it is not sent again. */
+static void expect_put_not_resent(const fake_reply *r, size_t n)
+{
+    fake_script(&fk, r, n);
+    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
+    CHECK_OR_EXIT(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+}
+
 /* A 200 answer with this body must give want and a message with hint. */
 static void expect_range(const char *body, etcd_err want, const char *hint)
 {
@@ -79,8 +95,8 @@ static void test_malformed_answers(void)
     fake_script(&fk, &r, 1);
     etcd_range_result res;
     CHECK_OK(c, etcd_range(c, "/k", 0, 0, &res));
-    CHECK(res.revision == INT64_MAX && res.n == 1 && res.kvs[0].lease == INT64_MIN);
-    CHECK(strcmp(res.kvs[0].key, "/k") == 0 && res.kvs[0].value_len == 0);
+    CHECK_OR_EXIT(res.revision == INT64_MAX && res.n == 1 && res.kvs[0].lease == INT64_MIN);
+    CHECK_OR_EXIT(strcmp(res.kvs[0].key, "/k") == 0 && res.kvs[0].value_len == 0);
     etcd_range_result_free(&res);
     free(http);
 
@@ -101,7 +117,7 @@ static void test_malformed_answers(void)
         fake_script(&fk, &r, 1);
         int64_t ttl = 0;
         CHECK_ERR(c, lease_cases[i].want, etcd_lease_keepalive(c, 1, &ttl));
-        CHECK(lease_cases[i].want != ETCD_OK || ttl == 9);
+        CHECK_OR_EXIT(lease_cases[i].want != ETCD_OK || ttl == 9);
         free(http);
     }
     http = fake_http(200, "{\"header\":{}}"); /* grant without an ID */
@@ -137,7 +153,7 @@ static void test_malformed_answers(void)
     r = (fake_reply){.data = http};
     fake_script(&fk, &r, 1);
     CHECK_OK(c, etcd_txn(c, NULL, 0, NULL, 0, &op, 1, &t)); /* no "succeeded": false */
-    CHECK(!t.succeeded && t.n == 1 && t.ranges[0].n == 1);
+    CHECK_OR_EXIT(!t.succeeded && t.n == 1 && t.ranges[0].n == 1);
     etcd_txn_result_free(&t);
     free(http);
 }
@@ -158,28 +174,21 @@ static void test_errors_and_retries(void)
     int reqs;
     /* transient: retried, then the good answer */
     fake_reply s1[] = {{.data = unavail}, {.data = proxy}, {.data = unavail}, {.data = ok}};
-    CHECK_OK(c, range_script(s1, 4, &reqs));
-    CHECK(reqs == 4);
+    expect_range_retried(s1, 4);
     /* a truncated answer to a range is a broken connection: retried */
     const char *trunc =
         "HTTP/1.1 200 X\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"kvs\":[";
     fake_reply s2[] = {{.data = trunc}, {.data = ok}};
-    CHECK_OK(c, range_script(s2, 2, &reqs));
-    CHECK(reqs == 2);
+    expect_range_retried(s2, 2);
     /* ... but a put that may have been applied is not sent again */
-    fake_script(&fk, s2, 2);
-    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
-    CHECK(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    expect_put_not_resent(s2, 2);
     /* etcd's "request timed out" comes after proposing: a range is asked
      * again, a put is not (it may have been applied) */
     char *timedout = fake_http(503, "{\"error\":\"x\",\"code\":14,\"message\":\"etcdserver: "
                                     "request timed out\"}");
     fake_reply s2b[] = {{.data = timedout}, {.data = ok}};
-    CHECK_OK(c, range_script(s2b, 2, &reqs));
-    CHECK(reqs == 2);
-    fake_script(&fk, s2b, 2);
-    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
-    CHECK(fake_requests(&fk) == 1 && strstr(etcd_last_error(c), "may have been applied"));
+    expect_range_retried(s2b, 2);
+    expect_put_not_resent(s2b, 2);
     free(timedout);
     /* a put whose connection was refused before sending is retried (see
      * test_etcd_failure's failover); answers that are verdicts are not */
@@ -197,21 +206,22 @@ static void test_errors_and_retries(void)
     for (size_t i = 0; i < sizeof(final) / sizeof(final[0]); i++) {
         fake_reply s[] = {{.data = final[i].reply}, {.data = ok}};
         CHECK_ERR(c, final[i].want, range_script(s, 2, &reqs));
-        CHECK(reqs == 1 && strstr(etcd_last_error(c), final[i].hint));
+        CHECK_OR_EXIT(reqs == 1 && strstr(etcd_last_error(c), final[i].hint));
     }
     /* transient forever: UNAVAILABLE... at the deadline, with the last reason */
     etcd_set_timeout(c, 600);
     fake_reply s3[] = {{.data = unavail}};
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, range_script(s3, 1, &reqs));
-    int64_t took = test_now_ms() - t0;
-    CHECK(took >= 550 && took < 5000 && reqs >= 3 && strstr(etcd_last_error(c), "no leader"));
+    int64_t took = mono_now_ms() - t0;
+    CHECK_OR_EXIT(took >= 550 && took < 5000 && reqs >= 3 &&
+                  strstr(etcd_last_error(c), "no leader"));
     /* a server that takes the request and never answers: TIMEOUT at the deadline */
     fake_reply s4[] = {{.silent = 1}};
-    t0 = test_now_ms();
+    t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_TIMEOUT, range_script(s4, 1, &reqs));
-    took = test_now_ms() - t0;
-    CHECK(took >= 550 && took < 5000 && reqs == 1);
+    took = mono_now_ms() - t0;
+    CHECK_OR_EXIT(took >= 550 && took < 5000 && reqs == 1);
     etcd_set_timeout(c, 0);
     /* not HTTP at all */
     fake_reply s5[] = {{.data = "SSH-2.0-OpenSSH\r\n\r\n"}};
@@ -231,7 +241,7 @@ static void test_huge_answers(void)
     /* over 64 MiB for a range, over 1 MiB for a put: cut off, not buffered */
     size_t big = ((size_t)64 << 20) + 4096;
     char *resp = malloc(big + 256);
-    CHECK(resp);
+    CHECK_OR_EXIT(resp);
     int h = snprintf(resp, 256,
                      "HTTP/1.1 200 X\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n{\"kvs\":[",
                      big);
@@ -239,7 +249,7 @@ static void test_huge_answers(void)
     fake_reply r = {.data = resp, .len = (size_t)h + big - 9};
     int reqs;
     CHECK_ERR(c, ETCD_ERR_TOO_LARGE, range_script(&r, 1, &reqs));
-    CHECK(reqs == 1 && strstr(etcd_last_error(c), "larger than"));
+    CHECK_OR_EXIT(reqs == 1 && strstr(etcd_last_error(c), "larger than"));
     h = snprintf(resp, 256, "HTTP/1.1 200 X\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n{",
                  (size_t)2 << 20);
     memset(resp + h, ' ', (size_t)2 << 20);
@@ -251,12 +261,12 @@ static void test_huge_answers(void)
     /* and requests over etcd's limits are refused before sending */
     size_t vlen = ((size_t)3 << 19) + 1;
     char *v = calloc(1, vlen);
-    CHECK(v);
+    CHECK_OR_EXIT(v);
     fake_script(&fk, NULL, 0);
     CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_put(c, "/k", v, vlen, 0, NULL));
     etcd_op op = {.type = ETCD_OP_PUT, .key = "/k", .value = v, .value_len = vlen};
     CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_txn(c, NULL, 0, &op, 1, NULL, 0, NULL));
-    CHECK(fake_requests(&fk) == 0);
+    CHECK_OR_EXIT(fake_requests(&fk) == 0);
     free(v);
 }
 
@@ -289,16 +299,16 @@ static void test_watch_streams(void)
     };
     etcd_watch *w = open_watch(s1, 2);
     size_t got = test_watch_collect(w, 3, 5000, &ev, &last);
-    CHECK(got == 3 && last == ETCD_OK);
-    CHECK(ev[0].kv.mod_revision == 11 && strcmp(ev[0].kv.value, "a") == 0);
-    CHECK(ev[1].kv.mod_revision == 12 && strcmp(ev[1].kv.value, "b") == 0);
-    CHECK(ev[2].type == ETCD_EVENT_DELETE && ev[2].kv.mod_revision == 13);
-    CHECK(strcmp(ev[2].kv.key, "/w/k") == 0);
+    CHECK_OR_EXIT(got == 3 && last == ETCD_OK);
+    CHECK_OR_EXIT(ev[0].kv.mod_revision == 11 && strcmp(ev[0].kv.value, "a") == 0);
+    CHECK_OR_EXIT(ev[1].kv.mod_revision == 12 && strcmp(ev[1].kv.value, "b") == 0);
+    CHECK_OR_EXIT(ev[2].type == ETCD_EVENT_DELETE && ev[2].kv.mod_revision == 13);
+    CHECK_OR_EXIT(strcmp(ev[2].kv.key, "/w/k") == 0);
     etcd_events_free(ev, got);
-    CHECK(etcd_watch_revision(w) == 13);
+    CHECK_OR_EXIT(etcd_watch_revision(w) == 13);
     char body[4096];
     fake_last_body(&fk, body, sizeof(body));
-    CHECK(strstr(body, "\"start_revision\":\"12\""));
+    CHECK_OR_EXIT(strstr(body, "\"start_revision\":\"12\""));
     etcd_watch_close(w);
 
     /* garbage in the stream: reported once, then the stream resumes */
@@ -310,12 +320,12 @@ static void test_watch_streams(void)
     };
     w = open_watch(s2, 2);
     CHECK_OK(c, etcd_watch_next(w, 3000, &ev, &n));
-    CHECK(n == 1 && ev[0].kv.mod_revision == 11);
+    CHECK_OR_EXIT(n == 1 && ev[0].kv.mod_revision == 11);
     etcd_events_free(ev, n);
-    CHECK(etcd_watch_next(w, 3000, &ev, &n) == ETCD_ERR_PROTOCOL && n == 0);
-    CHECK(strstr(etcd_watch_last_error(w), "not valid JSON"));
+    CHECK_OR_EXIT(etcd_watch_next(w, 3000, &ev, &n) == ETCD_ERR_PROTOCOL && n == 0);
+    CHECK_OR_EXIT(strstr(etcd_watch_last_error(w), "not valid JSON"));
     got = test_watch_collect(w, 1, 3000, &ev, &last);
-    CHECK(got == 1 && ev[0].kv.mod_revision == 12);
+    CHECK_OR_EXIT(got == 1 && ev[0].kv.mod_revision == 12);
     etcd_events_free(ev, got);
     etcd_watch_close(w);
 
@@ -356,9 +366,9 @@ static void test_watch_streams(void)
         snprintf(stream, sizeof(stream), STREAM_HDR CREATED "%s", verdicts[i].msg);
         fake_reply s[] = {{.data = stream, .hold_ms = 2000}};
         w = open_watch(s, 1);
-        CHECK(etcd_watch_next(w, 2000, &ev, &n) == verdicts[i].want && n == 0);
-        CHECK(etcd_watch_next(w, 10, &ev, &n) == verdicts[i].want);
-        if (verdicts[i].want == ETCD_ERR_COMPACTED) CHECK(etcd_watch_revision(w) == 42);
+        CHECK_OR_EXIT(etcd_watch_next(w, 2000, &ev, &n) == verdicts[i].want && n == 0);
+        CHECK_OR_EXIT(etcd_watch_next(w, 10, &ev, &n) == verdicts[i].want);
+        if (verdicts[i].want == ETCD_ERR_COMPACTED) CHECK_OR_EXIT(etcd_watch_revision(w) == 42);
         etcd_watch_close(w);
     }
 
@@ -377,16 +387,16 @@ static void test_watch_streams(void)
     };
     w = open_watch(s9, 2);
     got = test_watch_collect(w, 2, 5000, &ev, &last);
-    CHECK(got == 2 && last == ETCD_OK && ev[1].kv.mod_revision == 12);
+    CHECK_OR_EXIT(got == 2 && last == ETCD_OK && ev[1].kv.mod_revision == 12);
     etcd_events_free(ev, got);
-    CHECK(strstr(etcd_watch_last_error(w), "etcdserver: no leader (code 14)"));
+    CHECK_OR_EXIT(strstr(etcd_watch_last_error(w), "etcdserver: no leader (code 14)"));
     fake_last_body(&fk, body, sizeof(body));
-    CHECK(strstr(body, "\"start_revision\":\"12\""));
+    CHECK_OR_EXIT(strstr(body, "\"start_revision\":\"12\""));
     etcd_watch_close(w);
     fake_reply s10[] = {{.data = STREAM_HDR CREATED
                          "{\"error\":{\"grpc_code\":7,\"message\":\"permission denied\"}}"}};
     w = open_watch(s10, 1);
-    CHECK(etcd_watch_next(w, 2000, &ev, &n) == ETCD_ERR_AUTH && n == 0);
+    CHECK_OR_EXIT(etcd_watch_next(w, 2000, &ev, &n) == ETCD_ERR_AUTH && n == 0);
     etcd_watch_close(w);
 
     /* an open that never gets "created" or gets garbage first */
@@ -395,7 +405,7 @@ static void test_watch_streams(void)
     fake_script(&fk, s3, 1);
     etcd_watch *none = NULL;
     CHECK_ERR(c, ETCD_ERR_PROTOCOL, etcd_watch_open(c, "/w/", 1, 0, &none));
-    CHECK(none == NULL);
+    CHECK_OR_EXIT(none == NULL);
     fake_reply s4[] = {{.data = STREAM_HDR, .hold_ms = 3000}};
     fake_script(&fk, s4, 1);
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_watch_open(c, "/w/", 1, 0, &none));
@@ -403,7 +413,7 @@ static void test_watch_streams(void)
                                 "{\"code\":3,\"message\":\"bad watch range\"}  "}};
     fake_script(&fk, s5, 1);
     CHECK_ERR(c, ETCD_ERR_ARG, etcd_watch_open(c, "/w/", 1, 0, &none));
-    CHECK(strstr(etcd_last_error(c), "bad watch range"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "bad watch range"));
     etcd_set_timeout(c, 0);
 
     /* a stream that keeps breaking: UNAVAILABLE after the client timeout,
@@ -411,11 +421,11 @@ static void test_watch_streams(void)
     etcd_set_timeout(c, 400);
     fake_reply s6[] = {{.data = STREAM_HDR CREATED}, {.data = NULL}};
     w = open_watch(s6, 2);
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     etcd_err e = ETCD_OK;
-    while (e == ETCD_OK && test_now_ms() - t0 < 5000)
+    while (e == ETCD_OK && mono_now_ms() - t0 < 5000)
         e = etcd_watch_next(w, 100, &ev, &n);
-    CHECK(e == ETCD_ERR_UNAVAILABLE && strstr(etcd_watch_last_error(w), "still trying"));
+    CHECK_OR_EXIT(e == ETCD_ERR_UNAVAILABLE && strstr(etcd_watch_last_error(w), "still trying"));
     etcd_watch_close(w);
     etcd_set_timeout(c, 0);
 
@@ -423,13 +433,13 @@ static void test_watch_streams(void)
      * instead of hammering the server */
     fake_reply s7[] = {{.data = STREAM_HDR CREATED}};
     w = open_watch(s7, 1);
-    t0 = test_now_ms();
-    while (test_now_ms() - t0 < 1500) {
+    t0 = mono_now_ms();
+    while (mono_now_ms() - t0 < 1500) {
         e = etcd_watch_next(w, 100, &ev, &n);
-        CHECK(e == ETCD_OK && n == 0);
+        CHECK_OR_EXIT(e == ETCD_OK && n == 0);
     }
     int conns = fake_requests(&fk);
-    CHECK(conns >= 3 && conns < 30);
+    CHECK_OR_EXIT(conns >= 3 && conns < 30);
     etcd_watch_close(w);
 }
 
@@ -461,12 +471,12 @@ static void test_config_errors(void)
             exit(1);
         }
     }
-    CHECK(etcd_client_new(NULL, &x) == ETCD_ERR_ARG && x == NULL);
+    CHECK_OR_EXIT(etcd_client_new(NULL, &x) == ETCD_ERR_ARG && x == NULL);
 
     /* a CA file that is not PEM: the first call over https fails with TLS */
     char ca[] = "/tmp/ductile-badca-XXXXXX";
     int fd = mkstemp(ca);
-    CHECK(fd >= 0 && write(fd, "not a certificate\n", 18) == 18);
+    CHECK_OR_EXIT(fd >= 0 && write(fd, "not a certificate\n", 18) == 18);
     close(fd);
     char eps[128];
     snprintf(eps, sizeof(eps), "https://127.0.0.1:%d", fk.port);
@@ -475,14 +485,14 @@ static void test_config_errors(void)
     fake_script(&fk, NULL, 0);
     etcd_kv kv;
     CHECK_ERR(x, ETCD_ERR_TLS, etcd_get(x, "/k", &kv));
-    CHECK(strlen(etcd_last_error(x)) > 0);
+    CHECK_OR_EXIT(strlen(etcd_last_error(x)) > 0);
     etcd_client_free(x);
     unlink(ca);
 }
 
 int main(void)
 {
-    CHECK(fake_start(&fk) == 0);
+    CHECK_OR_EXIT(fake_start(&fk) == 0);
     c = test_client(fk.endpoint, 2000);
     test_malformed_answers();
     test_errors_and_retries();

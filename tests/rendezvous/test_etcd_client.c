@@ -22,51 +22,53 @@ static void test_put_get_range_delete(etcd_client *c)
     for (int i = 0; i < 256; i++)
         bin[i] = (char)i;
     CHECK_OK(c, etcd_put(c, "/t/kv/c", bin, sizeof(bin), 0, &r3));
-    CHECK(r1 > 0 && r2 == r1 + 1 && r3 == r2 + 1);
+    CHECK_OR_EXIT(r1 > 0 && r2 == r1 + 1 && r3 == r2 + 1);
     CHECK_OK(c, etcd_put(c, "/t/kv0", "x", 1, 0, NULL)); /* past the prefix's end */
 
     etcd_kv kv;
     CHECK_OK(c, etcd_get(c, "/t/kv/b", &kv));
-    CHECK(strcmp(kv.key, "/t/kv/b") == 0 && kv.value_len == 2 && strcmp(kv.value, "22") == 0);
-    CHECK(kv.create_revision == r2 && kv.mod_revision == r2 && kv.version == 1 && kv.lease == 0);
+    CHECK_OR_EXIT(strcmp(kv.key, "/t/kv/b") == 0 && kv.value_len == 2 &&
+                  strcmp(kv.value, "22") == 0);
+    CHECK_OR_EXIT(kv.create_revision == r2 && kv.mod_revision == r2 && kv.version == 1 &&
+                  kv.lease == 0);
     etcd_kv_free(&kv);
     CHECK_OK(c, etcd_get(c, "/t/kv/c", &kv));
-    CHECK(kv.value_len == 256 && memcmp(kv.value, bin, 256) == 0);
+    CHECK_OR_EXIT(kv.value_len == 256 && memcmp(kv.value, bin, 256) == 0);
     etcd_kv_free(&kv);
     CHECK_ERR(c, ETCD_ERR_NOT_FOUND, etcd_get(c, "/t/kv/zz", &kv));
-    CHECK(kv.key == NULL);
+    CHECK_OR_EXIT(kv.key == NULL);
 
     etcd_range_result r;
     CHECK_OK(c, etcd_range(c, "/t/kv/", 1, 0, &r));
-    CHECK(r.n == 3 && r.count == 3 && !r.more && r.revision >= r3 + 1);
-    CHECK(strcmp(r.kvs[0].key, "/t/kv/a") == 0 && strcmp(r.kvs[2].key, "/t/kv/c") == 0);
+    CHECK_OR_EXIT(r.n == 3 && r.count == 3 && !r.more && r.revision >= r3 + 1);
+    CHECK_OR_EXIT(strcmp(r.kvs[0].key, "/t/kv/a") == 0 && strcmp(r.kvs[2].key, "/t/kv/c") == 0);
     etcd_range_result_free(&r);
     CHECK_OK(c, etcd_range(c, "/t/kv/", 1, 2, &r));
-    CHECK(r.n == 2 && r.count == 3 && r.more);
+    CHECK_OR_EXIT(r.n == 2 && r.count == 3 && r.more);
     etcd_range_result_free(&r);
     CHECK_OK(c, etcd_range(c, "/t/nothing/", 1, 0, &r));
-    CHECK(r.n == 0 && r.count == 0 && r.kvs == NULL && r.revision > 0);
+    CHECK_OR_EXIT(r.n == 0 && r.count == 0 && r.kvs == NULL && r.revision > 0);
     etcd_range_result_free(&r);
     /* an empty prefix is the whole key space */
     CHECK_OK(c, etcd_range(c, "", 1, 0, &r));
-    CHECK(r.n >= 4);
+    CHECK_OR_EXIT(r.n >= 4);
     etcd_range_result_free(&r);
 
     /* overwrite bumps version and mod_revision, keeps create_revision */
     int64_t r4;
     CHECK_OK(c, etcd_put(c, "/t/kv/a", "", 0, 0, &r4));
     CHECK_OK(c, etcd_get(c, "/t/kv/a", &kv));
-    CHECK(kv.value_len == 0 && kv.value && kv.value[0] == 0 && kv.version == 2);
-    CHECK(kv.create_revision == r1 && kv.mod_revision == r4);
+    CHECK_OR_EXIT(kv.value_len == 0 && kv.value && kv.value[0] == 0 && kv.version == 2);
+    CHECK_OR_EXIT(kv.create_revision == r1 && kv.mod_revision == r4);
     etcd_kv_free(&kv);
 
     int64_t deleted = -1;
     CHECK_OK(c, etcd_delete(c, "/t/kv/a", 0, &deleted));
-    CHECK(deleted == 1);
+    CHECK_OR_EXIT(deleted == 1);
     CHECK_OK(c, etcd_delete(c, "/t/kv/a", 0, &deleted));
-    CHECK(deleted == 0);
+    CHECK_OR_EXIT(deleted == 0);
     CHECK_OK(c, etcd_delete(c, "/t/kv/", 1, &deleted));
-    CHECK(deleted == 2);
+    CHECK_OR_EXIT(deleted == 2);
     CHECK_OK(c, etcd_get(c, "/t/kv0", &kv)); /* outside the prefix: kept */
     etcd_kv_free(&kv);
 
@@ -81,7 +83,7 @@ static void test_prefix_end_ff(etcd_client *c)
     CHECK_OK(c, etcd_put(c, "/t/ff/b", "2", 1, 0, NULL));
     etcd_range_result r;
     CHECK_OK(c, etcd_range(c, "/t/ff/a\xff", 1, 0, &r));
-    CHECK(r.n == 1 && strcmp(r.kvs[0].key, "/t/ff/a\xff\x01") == 0);
+    CHECK_OR_EXIT(r.n == 1 && strcmp(r.kvs[0].key, "/t/ff/a\xff\x01") == 0);
     etcd_range_result_free(&r);
 }
 
@@ -91,18 +93,18 @@ static void test_large_values(etcd_client *c)
      * overhead is refused by etcd itself, and that verdict is not retried */
     size_t len = (size_t)1 << 20;
     char *v = malloc(len);
-    CHECK(v);
+    CHECK_OR_EXIT(v);
     for (size_t i = 0; i < len; i++)
         v[i] = (char)(i * 7);
     CHECK_OK(c, etcd_put(c, "/t/big", v, len, 0, NULL));
     etcd_kv kv;
     CHECK_OK(c, etcd_get(c, "/t/big", &kv));
-    CHECK(kv.value_len == len && memcmp(kv.value, v, len) == 0);
+    CHECK_OR_EXIT(kv.value_len == len && memcmp(kv.value, v, len) == 0);
     etcd_kv_free(&kv);
     char *w = calloc(1, (size_t)1536 * 1024);
-    CHECK(w);
+    CHECK_OR_EXIT(w);
     CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_put(c, "/t/big", w, (size_t)1536 * 1024 - 10, 0, NULL));
-    CHECK(strstr(etcd_last_error(c), "too large"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "too large"));
     free(w);
     free(v);
     CHECK_OK(c, etcd_delete(c, "/t/big", 0, NULL));
@@ -121,25 +123,25 @@ static void test_txn(etcd_client *c)
     etcd_op els[] = {{.type = ETCD_OP_RANGE, .key = "/t/txn/k"}};
     etcd_txn_result t;
     CHECK_OK(c, etcd_txn(c, &cmp, 1, then, 3, els, 1, &t));
-    CHECK(t.succeeded && t.n == 3 && t.revision == rev + 1);
-    CHECK(t.ranges[0].n == 0 && t.ranges[2].n == 0);
-    CHECK(t.ranges[1].n == 1 && strcmp(t.ranges[1].kvs[0].value, "v2") == 0);
+    CHECK_OR_EXIT(t.succeeded && t.n == 3 && t.revision == rev + 1);
+    CHECK_OR_EXIT(t.ranges[0].n == 0 && t.ranges[2].n == 0);
+    CHECK_OR_EXIT(t.ranges[1].n == 1 && strcmp(t.ranges[1].kvs[0].value, "v2") == 0);
     etcd_txn_result_free(&t);
 
     /* the same guard now fails: else runs, nothing written */
     CHECK_OK(c, etcd_txn(c, &cmp, 1, then, 3, els, 1, &t));
-    CHECK(!t.succeeded && t.n == 1 && t.revision == rev + 1);
-    CHECK(t.ranges[0].n == 1 && strcmp(t.ranges[0].kvs[0].value, "v2") == 0);
+    CHECK_OR_EXIT(!t.succeeded && t.n == 1 && t.revision == rev + 1);
+    CHECK_OR_EXIT(t.ranges[0].n == 1 && strcmp(t.ranges[0].kvs[0].value, "v2") == 0);
     etcd_txn_result_free(&t);
 
     /* create-only: version == 0 */
     etcd_cmp absent = {.key = "/t/txn/new", .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL};
     etcd_op put_new = {.type = ETCD_OP_PUT, .key = "/t/txn/new", .value = "n", .value_len = 1};
     CHECK_OK(c, etcd_txn(c, &absent, 1, &put_new, 1, NULL, 0, &t));
-    CHECK(t.succeeded);
+    CHECK_OR_EXIT(t.succeeded);
     etcd_txn_result_free(&t);
     CHECK_OK(c, etcd_txn(c, &absent, 1, &put_new, 1, NULL, 0, &t));
-    CHECK(!t.succeeded && t.n == 0);
+    CHECK_OR_EXIT(!t.succeeded && t.n == 0);
     etcd_txn_result_free(&t);
 
     /* value, greater, less, not-equal, create, lease; out may be NULL */
@@ -160,11 +162,11 @@ static void test_txn(etcd_client *c)
     };
     etcd_op del = {.type = ETCD_OP_DELETE, .key = "/t/txn/", .prefix = 1};
     CHECK_OK(c, etcd_txn(c, many, 5, &del, 1, NULL, 0, &t));
-    CHECK(t.succeeded && t.n == 1);
+    CHECK_OR_EXIT(t.succeeded && t.n == 1);
     etcd_txn_result_free(&t);
     etcd_range_result r;
     CHECK_OK(c, etcd_range(c, "/t/txn/", 1, 0, &r));
-    CHECK(r.n == 0);
+    CHECK_OR_EXIT(r.n == 0);
     etcd_range_result_free(&r);
     many[0].value = "zz";
     CHECK_OK(c, etcd_txn(c, many, 1, NULL, 0, NULL, 0, NULL));
@@ -175,26 +177,26 @@ static void test_txn(etcd_client *c)
         lots[i] = (etcd_op){.type = ETCD_OP_RANGE, .key = "/t/txn/k"};
     CHECK_ERR(c, ETCD_ERR_TOO_LARGE, etcd_txn(c, NULL, 0, lots, 129, NULL, 0, &t));
     CHECK_OK(c, etcd_txn(c, NULL, 0, lots, 128, NULL, 0, &t));
-    CHECK(t.succeeded && t.n == 128);
+    CHECK_OR_EXIT(t.succeeded && t.n == 128);
     etcd_txn_result_free(&t);
     /* a put to the same key twice in one txn: etcd refuses, not retried */
     etcd_op dup[] = {put_new, put_new};
     CHECK_ERR(c, ETCD_ERR_ARG, etcd_txn(c, NULL, 0, dup, 2, NULL, 0, &t));
-    CHECK(strstr(etcd_last_error(c), "duplicate key"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "duplicate key"));
 }
 
 static void test_lease(etcd_client *c)
 {
     int64_t id, ttl;
     CHECK_OK(c, etcd_lease_grant(c, 30, &id));
-    CHECK(id != 0);
+    CHECK_OR_EXIT(id != 0);
     CHECK_OK(c, etcd_put(c, "/t/lease/k", "v", 1, id, NULL));
     etcd_kv kv;
     CHECK_OK(c, etcd_get(c, "/t/lease/k", &kv));
-    CHECK(kv.lease == id);
+    CHECK_OR_EXIT(kv.lease == id);
     etcd_kv_free(&kv);
     CHECK_OK(c, etcd_lease_keepalive(c, id, &ttl));
-    CHECK(ttl == 30);
+    CHECK_OR_EXIT(ttl == 30);
     CHECK_OK(c, etcd_lease_revoke(c, id));
     CHECK_ERR(c, ETCD_ERR_NOT_FOUND, etcd_get(c, "/t/lease/k", &kv));
     CHECK_ERR(c, ETCD_ERR_NOT_FOUND, etcd_lease_keepalive(c, id, &ttl));
@@ -225,7 +227,7 @@ static void test_watch(etcd_client *c)
     etcd_event *ev;
     size_t n;
     CHECK_OK(c, etcd_watch_next(w, 50, &ev, &n));
-    CHECK(n == 0 && ev == NULL);
+    CHECK_OR_EXIT(n == 0 && ev == NULL);
 
     int64_t revs[20];
     for (int i = 0; i < 20; i++) {
@@ -250,40 +252,41 @@ static void test_watch(etcd_client *c)
     etcd_err last;
     etcd_event *all;
     size_t got = test_watch_collect(w, 23, 5000, &all, &last);
-    CHECK(last == ETCD_OK && got == 23);
+    CHECK_OR_EXIT(last == ETCD_OK && got == 23);
     for (int i = 0; i < 20; i++) {
         char val[32];
         snprintf(val, sizeof(val), "v%d", i);
-        CHECK(all[i].type == ETCD_EVENT_PUT && all[i].kv.mod_revision == revs[i]);
-        CHECK(strcmp(all[i].kv.value, val) == 0);
+        CHECK_OR_EXIT(all[i].type == ETCD_EVENT_PUT && all[i].kv.mod_revision == revs[i]);
+        CHECK_OR_EXIT(strcmp(all[i].kv.value, val) == 0);
     }
-    CHECK(all[20].type == ETCD_EVENT_DELETE && strcmp(all[20].kv.key, "/t/w/00") == 0);
-    CHECK(all[20].kv.mod_revision == delrev);
-    CHECK(all[21].type == ETCD_EVENT_PUT && strcmp(all[21].kv.key, "/t/w/t1") == 0);
-    CHECK(all[22].type == ETCD_EVENT_PUT && strcmp(all[22].kv.key, "/t/w/t2") == 0);
-    CHECK(all[21].kv.mod_revision == delrev && all[22].kv.mod_revision == delrev);
-    CHECK(etcd_watch_revision(w) == delrev);
+    CHECK_OR_EXIT(all[20].type == ETCD_EVENT_DELETE && strcmp(all[20].kv.key, "/t/w/00") == 0);
+    CHECK_OR_EXIT(all[20].kv.mod_revision == delrev);
+    CHECK_OR_EXIT(all[21].type == ETCD_EVENT_PUT && strcmp(all[21].kv.key, "/t/w/t1") == 0);
+    CHECK_OR_EXIT(all[22].type == ETCD_EVENT_PUT && strcmp(all[22].kv.key, "/t/w/t2") == 0);
+    CHECK_OR_EXIT(all[21].kv.mod_revision == delrev && all[22].kv.mod_revision == delrev);
+    CHECK_OR_EXIT(etcd_watch_revision(w) == delrev);
     etcd_events_free(all, got);
 
     /* wakeup from another thread returns a blocked next at once */
     waker k = {w, 100};
     pthread_t th;
-    CHECK(pthread_create(&th, NULL, wake_later, &k) == 0);
-    int64_t t0 = test_now_ms();
+    CHECK_OR_EXIT(pthread_create(&th, NULL, wake_later, &k) == 0);
+    int64_t t0 = mono_now_ms();
     CHECK_OK(c, etcd_watch_next(w, 30000, &ev, &n));
-    CHECK(n == 0 && test_now_ms() - t0 < 20000);
+    CHECK_OR_EXIT(n == 0 && mono_now_ms() - t0 < 20000);
     pthread_join(th, NULL);
     etcd_watch_close(w);
 
     /* from a past revision: history replayed; a single key only sees itself */
     CHECK_OK(c, etcd_watch_open(c, "/t/w/01", 0, revs[0], &w));
     got = test_watch_collect(w, 4, 5000, &all, &last);
-    CHECK(got == 4 && all[0].kv.mod_revision == revs[1] && all[3].kv.mod_revision == revs[16]);
+    CHECK_OR_EXIT(got == 4 && all[0].kv.mod_revision == revs[1] &&
+                  all[3].kv.mod_revision == revs[16]);
     for (size_t i = 0; i < got; i++)
-        CHECK(strcmp(all[i].kv.key, "/t/w/01") == 0);
+        CHECK_OR_EXIT(strcmp(all[i].kv.key, "/t/w/01") == 0);
     etcd_events_free(all, got);
     CHECK_OK(c, etcd_watch_next(w, 50, &ev, &n));
-    CHECK(n == 0);
+    CHECK_OR_EXIT(n == 0);
     etcd_watch_close(w);
 }
 

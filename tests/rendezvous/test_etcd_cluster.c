@@ -11,59 +11,13 @@
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #define MEMBERS 3
 
-static char dir[256];
-static pid_t pids[MEMBERS];
-static int cport[MEMBERS], pport[MEMBERS];
-
-static void start_member(int i, const char *cluster)
-{
-    char name[16], client[64], peer[64], data[300], log[300];
-    snprintf(name, sizeof(name), "m%d", i);
-    snprintf(client, sizeof(client), "http://127.0.0.1:%d", cport[i]);
-    snprintf(peer, sizeof(peer), "http://127.0.0.1:%d", pport[i]);
-    snprintf(data, sizeof(data), "%s/%s", dir, name);
-    snprintf(log, sizeof(log), "%s/%s.log", dir, name);
-    pids[i] = fork();
-    CHECK(pids[i] >= 0);
-    if (pids[i] == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
-        execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls", client,
-               "--advertise-client-urls", client, "--listen-peer-urls", peer,
-               "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster,
-               "--initial-cluster-state", "new", "--initial-cluster-token", dir,
-               "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
-               "--log-level", "error", (char *)NULL);
-        _exit(127);
-    }
-}
-
-static void kill_member(int i)
-{
-    if (pids[i] > 0) {
-        kill(pids[i], SIGKILL);
-        waitpid(pids[i], NULL, 0);
-        pids[i] = 0;
-    }
-}
+static test_cluster cl;
 
 static void cleanup(void)
 {
-    for (int i = 0; i < MEMBERS; i++)
-        kill_member(i);
-    if (dir[0]) {
-        char cmd[300];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-        if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
-        dir[0] = 0;
-    }
+    test_cluster_stop(&cl);
 }
 
 static void put_seq(etcd_client *c, int from, int n)
@@ -82,7 +36,7 @@ static void put_seq(etcd_client *c, int from, int n)
             if (e == ETCD_ERR_NOT_FOUND) e = etcd_put(c, key, val, strlen(val), 0, NULL);
         }
         if (e != ETCD_OK) fprintf(stderr, "put %s: %s\n", key, etcd_last_error(c));
-        CHECK(e == ETCD_OK);
+        CHECK_OR_EXIT(e == ETCD_OK);
     }
 }
 
@@ -92,43 +46,32 @@ static void expect_seq(etcd_watch *w, int from, int n)
     etcd_err last;
     size_t got = test_watch_collect(w, (size_t)n, 15000, &ev, &last);
     if (got != (size_t)n) fprintf(stderr, "watch: %s\n", etcd_watch_last_error(w));
-    CHECK(got == (size_t)n);
+    CHECK_OR_EXIT(got == (size_t)n);
     for (int i = 0; i < n; i++) {
         char val[16];
         snprintf(val, sizeof(val), "%d", from + i);
-        CHECK(strcmp(ev[i].kv.value, val) == 0);
+        CHECK_OR_EXIT(strcmp(ev[i].kv.value, val) == 0);
     }
     etcd_events_free(ev, got);
     etcd_event *more;
     size_t k;
-    CHECK(etcd_watch_next(w, 200, &more, &k) == ETCD_OK && k == 0); /* no duplicates */
+    CHECK_OR_EXIT(etcd_watch_next(w, 200, &more, &k) == ETCD_OK && k == 0); /* no duplicates */
 }
 
 int main(void)
 {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(dir, sizeof(dir), "%s/ductile-cluster-XXXXXX", tmp ? tmp : "/tmp");
-    CHECK(mkdtemp(dir));
     atexit(cleanup);
-    char cluster[512] = "", eps[256] = "";
-    for (int i = 0; i < MEMBERS; i++) {
-        cport[i] = test_free_port();
-        pport[i] = test_free_port();
-        CHECK(cport[i] > 0 && pport[i] > 0);
-        size_t l = strlen(cluster);
-        snprintf(cluster + l, sizeof(cluster) - l, "%sm%d=http://127.0.0.1:%d", i ? "," : "", i,
-                 pport[i]);
-        l = strlen(eps);
-        snprintf(eps + l, sizeof(eps) - l, "%shttp://127.0.0.1:%d", i ? "," : "", cport[i]);
-    }
+    CHECK_OR_EXIT(test_cluster_init(&cl, MEMBERS, "cluster") == 0);
+    char eps[256];
+    test_cluster_endpoints(&cl, eps, sizeof(eps));
     for (int i = 0; i < MEMBERS; i++)
-        start_member(i, cluster);
+        CHECK_OR_EXIT(test_cluster_start(&cl, i) == 0);
 
     /* the client's own retries wait for the cluster to form */
     etcd_client *c = test_client(eps, 20000);
     int64_t rev;
     if (etcd_put(c, "/cl/start", "x", 1, 0, &rev) != ETCD_OK) {
-        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(c), dir);
+        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(c), cl.dir);
         return 1;
     }
     etcd_set_timeout(c, 10000);
@@ -140,7 +83,7 @@ int main(void)
     expect_seq(w, 0, 3);
 
     /* the first endpoint, serving the watch and the client, dies */
-    kill_member(0);
+    test_cluster_kill(&cl, 0);
     /* when it was the leader, a put caught in the election waits for etcd's
      * own request timeout (5 s + 2 elections): the deadline leaves room */
     etcd_set_timeout(c, 20000);
@@ -152,15 +95,15 @@ int main(void)
     expect_seq(w, 6, 2);
 
     /* a second member gone: no quorum, a clear error at the deadline */
-    kill_member(1);
+    test_cluster_kill(&cl, 1);
     etcd_set_timeout(c, 1500);
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     etcd_err e = etcd_put(c, "/cl/noquorum", "x", 1, 0, NULL);
-    int64_t took = test_now_ms() - t0;
+    int64_t took = mono_now_ms() - t0;
     fprintf(stderr, "no quorum: %s (%s) after %lld ms\n", etcd_strerror(e), etcd_last_error(c),
             (long long)took);
-    CHECK(e == ETCD_ERR_UNAVAILABLE || e == ETCD_ERR_TIMEOUT);
-    CHECK(took >= 1000 && took < 10000);
+    CHECK_OR_EXIT(e == ETCD_ERR_UNAVAILABLE || e == ETCD_ERR_TIMEOUT);
+    CHECK_OR_EXIT(took >= 1000 && took < 10000);
 
     etcd_watch_close(w);
     etcd_client_free(c);

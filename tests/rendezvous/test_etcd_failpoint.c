@@ -26,12 +26,12 @@ static void stop_etcd(void)
 
 static void expect_unsent(etcd_client *c)
 {
-    CHECK(strstr(etcd_last_error(c), "failpoint: unavailable"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "failpoint: unavailable"));
 }
 
 static void expect_ambiguous(etcd_client *c)
 {
-    CHECK(strstr(etcd_last_error(c), "may have been applied (failpoint)"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "may have been applied (failpoint)"));
 }
 
 static void expect_value(etcd_client *c, const char *key, const char *value)
@@ -42,7 +42,7 @@ static void expect_value(etcd_client *c, const char *key, const char *value)
         return;
     }
     CHECK_OK(c, etcd_get(c, key, &kv));
-    CHECK(strcmp(kv.value, value) == 0);
+    CHECK_OR_EXIT(strcmp(kv.value, value) == 0);
     etcd_kv_free(&kv);
 }
 
@@ -69,7 +69,7 @@ int main(void)
     /* before the first failpoint() call: the table is read once */
     setenv(FAILPOINT_ENV, SPEC, 1);
     char msg[256];
-    CHECK(failpoint_check_env(msg, sizeof(msg)) == 0);
+    CHECK_OR_EXIT(failpoint_check_env(msg, sizeof(msg)) == 0);
     if (test_etcd_start(&srv) != 0) return 1;
     atexit(stop_etcd);
     etcd_client *t = test_client(srv.endpoint, 5000);
@@ -112,7 +112,7 @@ int main(void)
     CHECK_ERR(t, ETCD_ERR_UNAVAILABLE, etcd_range(t, "/fp/", 1, 0, &rr));
     expect_unsent(t);
     CHECK_OK(t, etcd_range(t, "/fp/", 1, 0, &rr));
-    CHECK(rr.n == 7); /* a b c d txn u2 u3 */
+    CHECK_OR_EXIT(rr.n == 7); /* a b c d txn u2 u3 */
     etcd_range_result_free(&rr);
 
     /* delete 1 is ambiguous: the key is gone all the same */
@@ -124,13 +124,13 @@ int main(void)
     etcd_watch *w = NULL;
     CHECK_ERR(t, ETCD_ERR_UNAVAILABLE, etcd_watch_open(t, "/fp/w", 0, 0, &w));
     expect_unsent(t);
-    CHECK(w == NULL);
+    CHECK_OR_EXIT(w == NULL);
     CHECK_OK(t, etcd_watch_open(t, "/fp/w", 0, 0, &w));
     CHECK_OK(u, etcd_put(u, "/fp/w", "w", 1, 0, NULL));
     etcd_event *ev;
     etcd_err last;
     size_t got = test_watch_collect(w, 1, 10000, &ev, &last);
-    CHECK(got == 1 && strcmp(ev[0].kv.value, "w") == 0);
+    CHECK_OR_EXIT(got == 1 && strcmp(ev[0].kv.value, "w") == 0);
     etcd_events_free(ev, got);
     etcd_watch_close(w);
 

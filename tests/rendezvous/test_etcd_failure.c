@@ -10,36 +10,17 @@
 #include "test_etcd.h"
 #include "test_etcd_util.h"
 
-#include <curl/curl.h>
 #include <signal.h>
 #include <unistd.h>
 
 static test_etcd srv;
 
-static size_t discard(void *p, size_t s, size_t n, void *u)
-{
-    (void)p;
-    (void)u;
-    return s * n;
-}
-
 /* Compact etcd's history up to rev (the client has no call for it). */
 static void compact(int64_t rev)
 {
-    CURL *h = curl_easy_init();
-    CHECK(h);
-    char url[128], body[64];
-    snprintf(url, sizeof(url), "%s/v3/kv/compaction", srv.endpoint);
+    char body[64];
     snprintf(body, sizeof(body), "{\"revision\":\"%lld\",\"physical\":true}", (long long)rev);
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 5000L);
-    long code = 0;
-    CHECK(curl_easy_perform(h) == CURLE_OK);
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
-    CHECK(code == 200);
-    curl_easy_cleanup(h);
+    CHECK_OR_EXIT(test_etcd_post(srv.endpoint, "/v3/kv/compaction", body, 5000) == 200);
 }
 
 static void put_n(etcd_client *c, const char *prefix, int from, int n, int64_t *revs)
@@ -62,7 +43,7 @@ static void check_seq(etcd_event *ev, size_t n, int from)
             fprintf(stderr, "event %zu: value %s, want %s\n", i, ev[i].kv.value, val);
             exit(1);
         }
-        CHECK(i == 0 || ev[i].kv.mod_revision > ev[i - 1].kv.mod_revision);
+        CHECK_OR_EXIT(i == 0 || ev[i].kv.mod_revision > ev[i - 1].kv.mod_revision);
     }
 }
 
@@ -74,7 +55,7 @@ static void test_watch_survives_restart(etcd_client *c)
     etcd_event *ev;
     etcd_err last;
     size_t got = test_watch_collect(w, 5, 5000, &ev, &last);
-    CHECK(got == 5);
+    CHECK_OR_EXIT(got == 5);
     check_seq(ev, 5, 0);
     etcd_events_free(ev, got);
 
@@ -83,33 +64,33 @@ static void test_watch_survives_restart(etcd_client *c)
     test_etcd_kill(&srv);
     /* down: a put fails at its deadline, the watch reports nothing */
     etcd_set_timeout(c, 300);
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/f/r/x", "x", 1, 0, NULL));
-    CHECK(test_now_ms() - t0 >= 250);
+    CHECK_OR_EXIT(mono_now_ms() - t0 >= 250);
     etcd_set_timeout(c, 0);
     etcd_event *none;
     size_t n;
     etcd_err e = etcd_watch_next(w, 200, &none, &n);
-    CHECK(e == ETCD_OK || e == ETCD_ERR_UNAVAILABLE);
+    CHECK_OR_EXIT(e == ETCD_OK || e == ETCD_ERR_UNAVAILABLE);
     /* the three unread events were either read before the stream broke or
      * come again after the resume: either way exactly once */
     size_t early = n;
     etcd_events_free(none, n);
 
-    CHECK(test_etcd_restart(&srv) == 0);
+    CHECK_OR_EXIT(test_etcd_restart(&srv) == 0);
     put_n(c, "/f/r/", 8, 4, NULL); /* before the watch reconnects */
     got = test_watch_collect(w, 7 - early, 10000, &ev, &last);
-    CHECK(last == ETCD_OK && got == 7 - early);
+    CHECK_OR_EXIT(last == ETCD_OK && got == 7 - early);
     check_seq(ev, got, 5 + (int)early);
     etcd_events_free(ev, got);
     put_n(c, "/f/r/", 12, 3, NULL); /* after it reconnected */
     got = test_watch_collect(w, 3, 5000, &ev, &last);
-    CHECK(got == 3);
+    CHECK_OR_EXIT(got == 3);
     check_seq(ev, got, 12);
     etcd_events_free(ev, got);
     /* and nothing more: no duplicates trail behind */
     CHECK_OK(c, etcd_watch_next(w, 300, &ev, &n));
-    CHECK(n == 0);
+    CHECK_OR_EXIT(n == 0);
     etcd_watch_close(w);
 }
 
@@ -120,14 +101,14 @@ static void test_watch_while_stopped(etcd_client *c)
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/f/s/", 1, 0, &w));
     CHECK_OK(c, etcd_put(c, "/f/s/warm", "1", 1, 0, NULL)); /* a kept-alive connection */
-    CHECK(kill(srv.pid, SIGSTOP) == 0);
+    CHECK_OR_EXIT(kill(srv.pid, SIGSTOP) == 0);
     etcd_set_timeout(c, 400);
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     etcd_err e = etcd_put(c, "/f/s/a", "1", 1, 0, NULL);
-    int64_t took = test_now_ms() - t0;
-    CHECK(kill(srv.pid, SIGCONT) == 0);
-    CHECK(e == ETCD_ERR_TIMEOUT || e == ETCD_ERR_UNAVAILABLE);
-    CHECK(took >= 350 && took < 4000);
+    int64_t took = mono_now_ms() - t0;
+    CHECK_OR_EXIT(kill(srv.pid, SIGCONT) == 0);
+    CHECK_OR_EXIT(e == ETCD_ERR_TIMEOUT || e == ETCD_ERR_UNAVAILABLE);
+    CHECK_OR_EXIT(took >= 350 && took < 4000);
     etcd_set_timeout(c, 0);
     CHECK_OK(c, etcd_put(c, "/f/s/b", "2", 1, 0, NULL));
     etcd_event *ev;
@@ -136,13 +117,13 @@ static void test_watch_while_stopped(etcd_client *c)
     /* the put that timed out may or may not have been applied, and if it
      * was, possibly after /f/s/b: etcd may read the stalled connection's
      * request only after the new one's */
-    CHECK(got >= 2 && strcmp(ev[0].kv.key, "/f/s/warm") == 0);
+    CHECK_OR_EXIT(got >= 2 && strcmp(ev[0].kv.key, "/f/s/warm") == 0);
     int seen_b = 0;
     for (size_t i = 1; i < got; i++) {
-        CHECK(strcmp(ev[i].kv.key, "/f/s/a") == 0 || strcmp(ev[i].kv.key, "/f/s/b") == 0);
+        CHECK_OR_EXIT(strcmp(ev[i].kv.key, "/f/s/a") == 0 || strcmp(ev[i].kv.key, "/f/s/b") == 0);
         seen_b += strcmp(ev[i].kv.key, "/f/s/b") == 0;
     }
-    CHECK(seen_b == 1);
+    CHECK_OR_EXIT(seen_b == 1);
     etcd_events_free(ev, got);
     etcd_watch_close(w);
 }
@@ -158,11 +139,11 @@ static void test_compaction(etcd_client *c)
     etcd_event *ev;
     size_t n;
     etcd_err e = etcd_watch_next(w, 5000, &ev, &n);
-    CHECK(e == ETCD_ERR_COMPACTED && n == 0);
-    CHECK(etcd_watch_revision(w) == revs[3]);
-    CHECK(strstr(etcd_watch_last_error(w), "compacted"));
+    CHECK_OR_EXIT(e == ETCD_ERR_COMPACTED && n == 0);
+    CHECK_OR_EXIT(etcd_watch_revision(w) == revs[3]);
+    CHECK_OR_EXIT(strstr(etcd_watch_last_error(w), "compacted"));
     /* and it stays over */
-    CHECK(etcd_watch_next(w, 10, &ev, &n) == ETCD_ERR_COMPACTED);
+    CHECK_OR_EXIT(etcd_watch_next(w, 10, &ev, &n) == ETCD_ERR_COMPACTED);
     etcd_watch_close(w);
 
     /* a range at a compacted revision is not possible through the API; a
@@ -172,16 +153,16 @@ static void test_compaction(etcd_client *c)
     size_t got;
     etcd_err last;
     got = test_watch_collect(w, 1, 5000, &ev, &last);
-    CHECK(got == 1);
+    CHECK_OR_EXIT(got == 1);
     etcd_events_free(ev, got);
     test_etcd_kill(&srv);
-    CHECK(test_etcd_restart(&srv) == 0);
+    CHECK_OR_EXIT(test_etcd_restart(&srv) == 0);
     int64_t more[3];
     put_n(c, "/f/c/", 11, 3, more);
     compact(more[2]);
     e = etcd_watch_next(w, 5000, &ev, &n);
-    CHECK(e == ETCD_ERR_COMPACTED && n == 0);
-    CHECK(etcd_watch_revision(w) == more[2]);
+    CHECK_OR_EXIT(e == ETCD_ERR_COMPACTED && n == 0);
+    CHECK_OR_EXIT(etcd_watch_revision(w) == more[2]);
     etcd_watch_close(w);
 }
 
@@ -194,17 +175,18 @@ static void test_lease_expiry(etcd_client *c)
     CHECK_OK(c, etcd_watch_open(c, "/f/l/k", 0, 0, &w));
     etcd_event *ev;
     etcd_err last;
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     size_t got = test_watch_collect(w, 1, 15000, &ev, &last);
     /* gone within a generous bound of the TTL, and not before it */
-    CHECK(got == 1 && ev[0].type == ETCD_EVENT_DELETE && strcmp(ev[0].kv.key, "/f/l/k") == 0);
-    CHECK(test_now_ms() - t0 >= 1000);
+    CHECK_OR_EXIT(got == 1 && ev[0].type == ETCD_EVENT_DELETE &&
+                  strcmp(ev[0].kv.key, "/f/l/k") == 0);
+    CHECK_OR_EXIT(mono_now_ms() - t0 >= 1000);
     etcd_events_free(ev, got);
     etcd_watch_close(w);
     etcd_kv kv;
     CHECK_ERR(c, ETCD_ERR_NOT_FOUND, etcd_get(c, "/f/l/k", &kv));
     CHECK_ERR(c, ETCD_ERR_NOT_FOUND, etcd_lease_keepalive(c, id, &ttl));
-    CHECK(strstr(etcd_last_error(c), "not found"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "not found"));
 
     /* kept alive, the same lease outlives its TTL */
     CHECK_OK(c, etcd_lease_grant(c, 2, &id));
@@ -212,7 +194,7 @@ static void test_lease_expiry(etcd_client *c)
     for (int i = 0; i < 6; i++) {
         usleep(500 * 1000);
         CHECK_OK(c, etcd_lease_keepalive(c, id, &ttl));
-        CHECK(ttl == 2);
+        CHECK_OR_EXIT(ttl == 2);
     }
     CHECK_OK(c, etcd_get(c, "/f/l/k2", &kv));
     etcd_kv_free(&kv);
@@ -229,7 +211,7 @@ static void test_failover(void)
     CHECK_OK(c, etcd_put(c, "/f/fo/k", "v", 1, 0, &rev));
     etcd_kv kv;
     CHECK_OK(c, etcd_get(c, "/f/fo/k", &kv));
-    CHECK(kv.mod_revision == rev);
+    CHECK_OR_EXIT(kv.mod_revision == rev);
     etcd_kv_free(&kv);
     /* a watch fails over too, and a bare host:port is http */
     etcd_client_free(c);
@@ -237,11 +219,7 @@ static void test_failover(void)
     c = test_client(eps, 3000);
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/f/fo/k", 0, rev, &w));
-    etcd_event *ev;
-    etcd_err last;
-    size_t got = test_watch_collect(w, 1, 5000, &ev, &last);
-    CHECK(got == 1 && ev[0].kv.mod_revision == rev);
-    etcd_events_free(ev, got);
+    CHECK_OR_EXIT(test_watch_one_rev(w, 5000) == rev);
     etcd_watch_close(w);
     etcd_client_free(c);
 }
@@ -252,22 +230,23 @@ static void test_down_at_start(void)
     snprintf(eps, sizeof(eps), "http://127.0.0.1:%d,http://127.0.0.1:%d", test_free_port(),
              test_free_port());
     etcd_client *c = test_client(eps, 800);
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
-    int64_t took = test_now_ms() - t0;
-    CHECK(took >= 700 && took < 5000); /* at the deadline, not a hang */
-    CHECK(strstr(etcd_last_error(c), "deadline"));
+    int64_t took = mono_now_ms() - t0;
+    CHECK_OR_EXIT(took >= 700 && took < 5000); /* at the deadline, not a hang */
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "deadline"));
     etcd_range_result r;
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_range(c, "/k", 1, 0, &r));
     int64_t id;
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_lease_grant(c, 5, &id));
     etcd_watch *w = NULL;
-    t0 = test_now_ms();
+    t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_watch_open(c, "/k", 0, 0, &w));
-    CHECK(w == NULL && test_now_ms() - t0 < 5000);
+    CHECK_OR_EXIT(w == NULL && mono_now_ms() - t0 < 5000);
     fprintf(stderr, "watch down: %s\n", etcd_last_error(c));
-    CHECK(strstr(etcd_last_error(c), "Could not connect") ||
-          strstr(etcd_last_error(c), "Couldn't connect") || strstr(etcd_last_error(c), "refused"));
+    CHECK_OR_EXIT(strstr(etcd_last_error(c), "Could not connect") ||
+                  strstr(etcd_last_error(c), "Couldn't connect") ||
+                  strstr(etcd_last_error(c), "refused"));
     etcd_client_free(c);
 }
 

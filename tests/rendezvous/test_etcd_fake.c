@@ -5,6 +5,8 @@
  */
 #include "test_etcd_fake.h"
 
+#include "ductile/clock.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -13,22 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
-
-static long long mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* Wait for fd to be readable; 1 readable, 0 timeout or stop. */
 static int wait_readable(fake_server *s, int fd, int ms)
 {
-    long long end = mono_ms() + ms;
+    long long end = mono_now_ms() + ms;
     while (!atomic_load(&s->stop)) {
-        long long left = end - mono_ms();
+        long long left = end - mono_now_ms();
         if (left <= 0) return 0;
         struct pollfd p = {.fd = fd, .events = POLLIN};
         int r = poll(&p, 1, left < 50 ? (int)left : 50);

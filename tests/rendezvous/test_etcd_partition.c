@@ -25,7 +25,6 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -35,72 +34,18 @@
 #define SKIP 77
 #define DEADLINE_MS 15000
 
-static char dir[256];
-static pid_t pids[MEMBERS];
-static char cluster[512];
-static int cport[MEMBERS], pport[MEMBERS];
-static char client_url[MEMBERS][64], peer_url[MEMBERS][64];
+static test_cluster cl; /* member 0 behind its two links, 1 and 2 here */
+
 /* the two veth pairs: peer link 10.214.<net>.1-2, client link .5-6 */
 static int net;
 static char peer_host[16], peer_ns[16], cli_host[16], cli_ns[16];
 
-static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int sh(const char *fmt, ...)
-{
-    char cmd[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    return system(cmd);
-}
-
-static void kill_member(int i)
-{
-    if (pids[i] > 0) {
-        kill(pids[i], SIGKILL);
-        waitpid(pids[i], NULL, 0);
-        pids[i] = 0;
-    }
-}
-
 static void cleanup(void)
 {
-    for (int i = 0; i < MEMBERS; i++)
-        kill_member(i);
+    test_cluster_stop(&cl);
     /* the veths went with member 0's namespace; this is for a failed start */
-    if (peer_host[0]) sh("ip link del %s 2>/dev/null", peer_host);
-    if (cli_host[0]) sh("ip link del %s 2>/dev/null", cli_host);
-    if (dir[0]) {
-        sh("rm -rf '%s'", dir);
-        dir[0] = 0;
-    }
-}
-
-static void exec_etcd(int i)
-{
-    char name[16], data[300], log[300];
-    snprintf(name, sizeof(name), "m%d", i);
-    snprintf(data, sizeof(data), "%s/%s", dir, name);
-    snprintf(log, sizeof(log), "%s/%s.log", dir, name);
-    if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
-    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
-           client_url[i], "--advertise-client-urls", client_url[i], "--listen-peer-urls",
-           peer_url[i], "--initial-advertise-peer-urls", peer_url[i], "--initial-cluster", cluster,
-           "--initial-cluster-state", "new", "--initial-cluster-token", dir, "--heartbeat-interval",
-           "50", "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
-           (char *)NULL);
-    _exit(127);
-}
-
-static void start_member(int i)
-{
-    pids[i] = fork();
-    CHECK(pids[i] >= 0);
-    if (pids[i] == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        exec_etcd(i);
-    }
+    if (peer_host[0]) test_sh("ip link del %s 2>/dev/null", peer_host);
+    if (cli_host[0]) test_sh("ip link del %s 2>/dev/null", cli_host);
 }
 
 /* Member 0 in a new network namespace, wired to this one by two veth pairs
@@ -108,21 +53,22 @@ static void start_member(int i)
 static int start_member0(void)
 {
     int up[2], go[2];
-    CHECK(pipe(up) == 0 && pipe(go) == 0);
-    pids[0] = fork();
-    CHECK(pids[0] >= 0);
-    if (pids[0] == 0) {
+    CHECK_OR_EXIT(pipe(up) == 0 && pipe(go) == 0);
+    cl.pids[0] = fork();
+    CHECK_OR_EXIT(cl.pids[0] >= 0);
+    if (cl.pids[0] == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(up[0]);
         close(go[1]);
         char ok = unshare(CLONE_NEWNET) == 0;
         if (write(up[1], &ok, 1) != 1 || !ok) _exit(SKIP);
         if (read(go[0], &ok, 1) != 1) _exit(1);
-        if (sh("ip link set lo up && ip addr add 10.214.%d.2/30 dev %s && ip link set %s up && "
-               "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
-               net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
+        if (test_sh(
+                "ip link set lo up && ip addr add 10.214.%d.2/30 dev %s && ip link set %s up && "
+                "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
+                net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
             _exit(1);
-        exec_etcd(0);
+        test_cluster_exec(&cl, 0);
     }
     close(up[1]);
     close(go[0]);
@@ -134,17 +80,19 @@ static int start_member0(void)
         close(go[1]);
         return SKIP;
     }
-    int pid = pids[0];
-    if (sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
-        sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
-        sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host, peer_host) ||
-        sh("ip addr add 10.214.%d.5/30 dev %s && ip link set %s up", net, cli_host, cli_host)) {
+    int pid = cl.pids[0];
+    if (test_sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
+        test_sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
+        test_sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host,
+                peer_host) ||
+        test_sh("ip addr add 10.214.%d.5/30 dev %s && ip link set %s up", net, cli_host,
+                cli_host)) {
         fprintf(stderr, "cannot make veth pairs\n");
         close(go[1]);
         return SKIP;
     }
     ok = 1;
-    CHECK(write(go[1], &ok, 1) == 1);
+    CHECK_OR_EXIT(write(go[1], &ok, 1) == 1);
     close(go[1]);
     return 0;
 }
@@ -234,9 +182,9 @@ static void raw_start(raw_stream *r, const char *endpoint, int hasleader)
     r->hasleader = hasleader;
     snprintf(r->url, sizeof(r->url), "%s/v3/watch", endpoint);
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
+    CHECK_OR_EXIT(mono_cond_init(&r->cv) == 0);
     atomic_init(&r->stop, 0);
-    CHECK(pthread_create(&r->thread, NULL, raw_run, r) == 0);
+    CHECK_OR_EXIT(pthread_create(&r->thread, NULL, raw_run, r) == 0);
 }
 
 /* Waits until the body holds needle (or, with needle NULL, the stream has
@@ -246,17 +194,12 @@ static int raw_wait(raw_stream *r, const char *needle, int64_t end_ms)
     pthread_mutex_lock(&r->mu);
     for (;;) {
         int hit = needle ? strstr(r->body, needle) != NULL : r->done;
-        int64_t left = end_ms - test_now_ms();
+        int64_t left = end_ms - mono_now_ms();
         if (hit || (needle && r->done) || left <= 0) {
             pthread_mutex_unlock(&r->mu);
             return hit;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t step = left < 200 ? left : 200;
-        ts.tv_nsec += (long)(step * 1000000);
-        ts.tv_sec += ts.tv_nsec / 1000000000;
-        ts.tv_nsec %= 1000000000;
+        struct timespec ts = mono_deadline(left < 200 ? left : 200);
         pthread_cond_timedwait(&r->cv, &r->mu, &ts);
     }
 }
@@ -283,7 +226,7 @@ static int64_t put(etcd_client *c, const char *key, const char *val)
         if (e == ETCD_ERR_NOT_FOUND) e = etcd_put(c, key, val, strlen(val), 0, &rev);
     }
     if (e != ETCD_OK) fprintf(stderr, "put %s: %s\n", key, etcd_last_error(c));
-    CHECK(e == ETCD_OK);
+    CHECK_OR_EXIT(e == ETCD_OK);
     return rev;
 }
 
@@ -295,8 +238,8 @@ static void expect_event(etcd_watch *w, const char *key, const char *val)
     if (got != 1)
         fprintf(stderr, "watch: no event for %s: %s (%s)\n", key, etcd_strerror(last),
                 etcd_watch_last_error(w));
-    CHECK(got == 1);
-    CHECK(strcmp(ev[0].kv.key, key) == 0 && strcmp(ev[0].kv.value, val) == 0);
+    CHECK_OR_EXIT(got == 1);
+    CHECK_OR_EXIT(strcmp(ev[0].kv.key, key) == 0 && strcmp(ev[0].kv.value, val) == 0);
     etcd_events_free(ev, got);
 }
 
@@ -316,83 +259,78 @@ int main(void)
     snprintf(peer_ns, sizeof(peer_ns), "dtp%dn", id);
     snprintf(cli_host, sizeof(cli_host), "dtc%dh", id);
     snprintf(cli_ns, sizeof(cli_ns), "dtc%dn", id);
-    const char *tmp = getenv("TMPDIR");
-    snprintf(dir, sizeof(dir), "%s/ductile-partition-XXXXXX", tmp ? tmp : "/tmp");
-    CHECK(mkdtemp(dir));
     atexit(cleanup);
     signal(SIGPIPE, SIG_IGN);
 
-    snprintf(client_url[0], sizeof(client_url[0]), "http://10.214.%d.6:2379", net);
-    snprintf(peer_url[0], sizeof(peer_url[0]), "http://10.214.%d.2:2380", net);
-    for (int i = 1; i < MEMBERS; i++) {
-        cport[i] = test_free_port();
-        pport[i] = test_free_port();
-        CHECK(cport[i] > 0 && pport[i] > 0);
-        snprintf(client_url[i], sizeof(client_url[i]), "http://127.0.0.1:%d", cport[i]);
-        snprintf(peer_url[i], sizeof(peer_url[i]), "http://10.214.%d.1:%d", net, pport[i]);
-    }
-    snprintf(cluster, sizeof(cluster), "m0=%s,m1=%s,m2=%s", peer_url[0], peer_url[1], peer_url[2]);
+    /* member 0 on its own links; 1 and 2 meet it on the peer link's host end */
+    CHECK_OR_EXIT(test_cluster_init(&cl, MEMBERS, "partition") == 0);
+    snprintf(cl.client_url[0], sizeof(cl.client_url[0]), "http://10.214.%d.6:2379", net);
+    snprintf(cl.peer_url[0], sizeof(cl.peer_url[0]), "http://10.214.%d.2:2380", net);
+    for (int i = 1; i < MEMBERS; i++)
+        snprintf(cl.peer_url[i], sizeof(cl.peer_url[i]), "http://10.214.%d.1:%d", net,
+                 cl.peer_port[i]);
     char eps[256];
-    snprintf(eps, sizeof(eps), "%s,%s,%s", client_url[0], client_url[1], client_url[2]);
+    test_cluster_endpoints(&cl, eps, sizeof(eps));
 
     if (start_member0() != 0) {
         fprintf(stderr, "skipped\n");
         return SKIP;
     }
     for (int i = 1; i < MEMBERS; i++)
-        start_member(i);
+        CHECK_OR_EXIT(test_cluster_start(&cl, i) == 0);
 
     /* the cluster forms, and member 0 serves linearizable reads */
     etcd_client *all = test_client(eps, 20000);
     if (etcd_put(all, "/pt/start", "x", 1, 0, NULL) != ETCD_OK) {
-        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(all), dir);
+        fprintf(stderr, "cluster did not form: %s (logs in %s)\n", etcd_last_error(all), cl.dir);
         return 1;
     }
-    etcd_client *m0 = test_client(client_url[0], 20000);
+    etcd_client *m0 = test_client(cl.client_url[0], 20000);
     etcd_kv kv;
     CHECK_OK(m0, etcd_get(m0, "/pt/start", &kv));
     etcd_kv_free(&kv);
-    etcd_client *m1 = test_client(client_url[1], 20000);
+    etcd_client *m1 = test_client(cl.client_url[1], 20000);
 
     /* a fresh client starts at its first endpoint: the watch is on member 0 */
     etcd_client *c = test_client(eps, 10000);
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/pt/", 1, 0, &w));
     raw_stream with, without;
-    raw_start(&with, client_url[0], 1);
-    raw_start(&without, client_url[0], 0);
-    int64_t end = test_now_ms() + DEADLINE_MS;
-    CHECK(raw_wait(&with, "\"created\":true", end) && raw_wait(&without, "\"created\":true", end));
+    raw_start(&with, cl.client_url[0], 1);
+    raw_start(&without, cl.client_url[0], 0);
+    int64_t end = mono_now_ms() + DEADLINE_MS;
+    CHECK_OR_EXIT(raw_wait(&with, "\"created\":true", end) &&
+                  raw_wait(&without, "\"created\":true", end));
     put(m1, "/pt/a", "before");
     expect_event(w, "/pt/a", "before");
-    end = test_now_ms() + DEADLINE_MS;
-    CHECK(raw_wait(&with, "L3B0L2E=", end) && raw_wait(&without, "L3B0L2E=", end));
+    end = mono_now_ms() + DEADLINE_MS;
+    CHECK_OR_EXIT(raw_wait(&with, "L3B0L2E=", end) && raw_wait(&without, "L3B0L2E=", end));
 
     /* member 0 loses its peers; its clients' link stays up */
     fprintf(stderr, "peer link of member 0 down\n");
-    CHECK(sh("ip link set %s down", peer_host) == 0);
+    CHECK_OR_EXIT(test_sh("ip link set %s down", peer_host) == 0);
     int64_t rev = put(m1, "/pt/b", "after");
-    int64_t put_at = test_now_ms();
+    int64_t put_at = mono_now_ms();
     expect_event(w, "/pt/b", "after");
-    CHECK(etcd_watch_revision(w) == rev);
+    CHECK_OR_EXIT(etcd_watch_revision(w) == rev);
     etcd_event *more;
     size_t n;
-    CHECK(etcd_watch_next(w, 200, &more, &n) == ETCD_OK && n == 0); /* no duplicates */
+    CHECK_OR_EXIT(etcd_watch_next(w, 200, &more, &n) == ETCD_OK && n == 0); /* no duplicates */
 
     /* with the header, member 0 ended the stream with the no-leader error,
      * written without a newline after it */
-    CHECK(raw_wait(&with, NULL, put_at + DEADLINE_MS));
+    CHECK_OR_EXIT(raw_wait(&with, NULL, put_at + DEADLINE_MS));
     raw_stop(&with); /* ended: the body is complete */
     const char *last = strrchr(with.body, '\n');
     last = last ? last + 1 : with.body;
     fprintf(stderr, "stream with Hasleader ended with: %s\n", last);
-    CHECK(strncmp(last, "{\"error\":{\"grpc_code\":14,", 25) == 0);
-    CHECK(strstr(last, "\"message\":\"etcdserver: no leader\""));
-    CHECK(last[strlen(last) - 1] == '}');
+    CHECK_OR_EXIT(strncmp(last, "{\"error\":{\"grpc_code\":14,", 25) == 0);
+    CHECK_OR_EXIT(strstr(last, "\"message\":\"etcdserver: no leader\""));
+    CHECK_OR_EXIT(last[strlen(last) - 1] == '}');
     /* without it, the stream stays open and the put never arrives there */
-    CHECK(!raw_wait(&without, "L3B0L2I=", put_at + DEADLINE_MS));
+    CHECK_OR_EXIT(!raw_wait(&without, "L3B0L2I=", put_at + DEADLINE_MS));
     raw_stop(&without);
-    CHECK(!strstr(without.body, "error") && !strstr(without.body, "L3B0L2I="));
+    CHECK_OR_EXIT(!strstr(without.body, "error") && !strstr(without.body, "L3B0L2I="));
     fprintf(stderr, "stream without Hasleader: open, silent for %d ms after the put\n",
             DEADLINE_MS);
 

@@ -11,7 +11,6 @@
 #include "test_etcd_util.h"
 
 #include <signal.h>
-#include <stdarg.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,37 +18,29 @@
 static char dir[256];
 static pid_t etcd_pid;
 
-static void sh(const char *fmt, ...)
-{
-    char cmd[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    if (system(cmd) != 0) {
-        fprintf(stderr, "failed: %s\n", cmd);
-        exit(1);
-    }
-}
-
-static void make_certs(void)
+/* A CA, another CA, and server and client certificates signed by the
+ * first; 0 when openssl made them all. */
+static int make_certs(void)
 {
     const char *q = "2>/dev/null";
-    sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
-       "-subj /CN=ductile-test-ca %s",
-       dir, q);
-    sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem "
-       "-days 2 -subj /CN=other-ca %s",
-       dir, q);
-    sh("cd %s && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,clientAuth\\n' "
-       "> ext.cnf",
-       dir);
+    if (test_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
+                "-days 2 -subj /CN=ductile-test-ca %s",
+                dir, q) != 0 ||
+        test_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key "
+                "-out other.pem -days 2 -subj /CN=other-ca %s",
+                dir, q) != 0 ||
+        test_sh("cd %s && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,"
+                "clientAuth\\n' > ext.cnf",
+                dir) != 0)
+        return -1;
     const char *names[] = {"server", "client"};
     for (int i = 0; i < 2; i++)
-        sh("cd %s && openssl req -newkey rsa:2048 -nodes -keyout %s.key -out %s.csr "
-           "-subj /CN=%s %s && openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key "
-           "-CAcreateserial -out %s.pem -days 2 -extfile ext.cnf %s",
-           dir, names[i], names[i], names[i], q, names[i], names[i], q);
+        if (test_sh("cd %s && openssl req -newkey rsa:2048 -nodes -keyout %s.key -out %s.csr "
+                    "-subj /CN=%s %s && openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key "
+                    "-CAcreateserial -out %s.pem -days 2 -extfile ext.cnf %s",
+                    dir, names[i], names[i], names[i], q, names[i], names[i], q) != 0)
+            return -1;
+    return 0;
 }
 
 static void start_etcd(int port, int peer)
@@ -64,7 +55,7 @@ static void start_etcd(int port, int peer)
     snprintf(f[1], sizeof(f[1]), "%s/server.key", dir);
     snprintf(f[2], sizeof(f[2]), "%s/ca.pem", dir);
     etcd_pid = fork();
-    CHECK(etcd_pid >= 0);
+    CHECK_OR_EXIT(etcd_pid >= 0);
     if (etcd_pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
@@ -85,9 +76,7 @@ static void stop_etcd(void)
         etcd_pid = 0;
     }
     if (dir[0]) {
-        char cmd[300];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-        if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+        if (test_sh("rm -rf '%s'", dir) != 0) fprintf(stderr, "could not remove %s\n", dir);
         dir[0] = 0;
     }
 }
@@ -104,24 +93,18 @@ static etcd_client *tls_client(const char *ep, const char *ca, const char *cert,
                        .cert = cert ? paths[1] : NULL,
                        .key = key ? paths[2] : NULL,
                        .timeout_ms = timeout_ms};
-    etcd_client *c;
-    char err[256];
-    if (etcd_client_new_err(&cfg, &c, err, sizeof(err)) != ETCD_OK) {
-        fprintf(stderr, "client: %s\n", err);
-        exit(1);
-    }
-    return c;
+    return test_client_cfg(&cfg);
 }
 
 int main(void)
 {
     const char *tmp = getenv("TMPDIR");
     snprintf(dir, sizeof(dir), "%s/ductile-tls-XXXXXX", tmp ? tmp : "/tmp");
-    CHECK(mkdtemp(dir));
+    CHECK_OR_EXIT(mkdtemp(dir));
     atexit(stop_etcd); /* a failed CHECK exits: still stop etcd and remove the files */
-    make_certs();
+    CHECK_OR_EXIT(make_certs() == 0, "openssl could not make the certificates");
     int port = test_free_port(), peer = test_free_port();
-    CHECK(port > 0 && peer > 0 && port != peer);
+    CHECK_OR_EXIT(port > 0 && peer > 0 && port != peer);
     start_etcd(port, peer);
     char ep[64];
     snprintf(ep, sizeof(ep), "https://127.0.0.1:%d", port);
@@ -137,24 +120,20 @@ int main(void)
     etcd_set_timeout(c, 5000);
     etcd_kv kv;
     CHECK_OK(c, etcd_get(c, "/tls/k", &kv));
-    CHECK(kv.mod_revision == rev && strcmp(kv.value, "v") == 0);
+    CHECK_OR_EXIT(kv.mod_revision == rev && strcmp(kv.value, "v") == 0);
     etcd_kv_free(&kv);
     etcd_watch *w;
     CHECK_OK(c, etcd_watch_open(c, "/tls/", 1, 0, &w));
     CHECK_OK(c, etcd_put(c, "/tls/k2", "w", 1, 0, &rev));
-    etcd_event *ev;
-    etcd_err last;
-    size_t got = test_watch_collect(w, 1, 5000, &ev, &last);
-    CHECK(got == 1 && ev[0].kv.mod_revision == rev);
-    etcd_events_free(ev, got);
+    CHECK_OR_EXIT(test_watch_one_rev(w, 5000) == rev);
     etcd_watch_close(w);
     etcd_client_free(c);
 
     /* a CA that did not sign the server: verification fails, not retried */
     c = tls_client(ep, "other.pem", "client.pem", "client.key", 3000);
-    int64_t t0 = test_now_ms();
+    int64_t t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_TLS, etcd_get(c, "/tls/k", &kv));
-    CHECK(test_now_ms() - t0 < 2500);
+    CHECK_OR_EXIT(mono_now_ms() - t0 < 2500);
     fprintf(stderr, "wrong CA: %s\n", etcd_last_error(c));
     CHECK_ERR(c, ETCD_ERR_TLS, etcd_watch_open(c, "/tls/", 1, 0, &w));
     etcd_client_free(c);

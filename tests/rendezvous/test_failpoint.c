@@ -5,21 +5,12 @@
  * fires on call N, calls N to M, or N and every later one. The table is read
  * once, on the first failpoint() call, so the spec is set before it.
  */
+#include "check.h"
 #include "ductile/failpoint.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fputc('\n', stderr);                                                                   \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 static int same(const char *a, const char *b)
 {
@@ -31,8 +22,8 @@ static void expect_calls(const char *name, const char *const *want, int n)
 {
     for (int i = 0; i < n; i++) {
         const char *got = failpoint(name);
-        CHECK(same(got, want[i]), "%s call %d: got %s, want %s", name, i + 1, got ? got : "none",
-              want[i] ? want[i] : "none");
+        CHECK_OR_EXIT(same(got, want[i]), "%s call %d: got %s, want %s", name, i + 1,
+                      got ? got : "none", want[i] ? want[i] : "none");
     }
 }
 
@@ -43,9 +34,9 @@ int main(void)
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         setenv(FAILPOINT_ENV, bad[i], 1);
         char msg[256] = "";
-        CHECK(failpoint_check_env(msg, sizeof(msg)) == -1, "\"%s\" accepted", bad[i]);
-        CHECK(strstr(msg, FAILPOINT_ENV) && strlen(msg) > strlen(FAILPOINT_ENV) + 2,
-              "\"%s\": no reason given (\"%s\")", bad[i], msg);
+        CHECK_OR_EXIT(failpoint_check_env(msg, sizeof(msg)) == -1, "\"%s\" accepted", bad[i]);
+        CHECK_OR_EXIT(strstr(msg, FAILPOINT_ENV) && strlen(msg) > strlen(FAILPOINT_ENV) + 2,
+                      "\"%s\": no reason given (\"%s\")", bad[i], msg);
         printf("%-10s -> %s\n", bad[i], msg);
     }
     const char *good[] = {"", "a=1:b", "a=2-4:b;c=3+:d", "a=1:b;",
@@ -53,11 +44,12 @@ int main(void)
     for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
         setenv(FAILPOINT_ENV, good[i], 1);
         char msg[256] = "";
-        CHECK(failpoint_check_env(msg, sizeof(msg)) == 0, "\"%s\" refused: %s", good[i], msg);
+        CHECK_OR_EXIT(failpoint_check_env(msg, sizeof(msg)) == 0, "\"%s\" refused: %s", good[i],
+                      msg);
     }
     unsetenv(FAILPOINT_ENV);
     char msg[256] = "";
-    CHECK(failpoint_check_env(msg, sizeof(msg)) == 0, "unset refused: %s", msg);
+    CHECK_OR_EXIT(failpoint_check_env(msg, sizeof(msg)) == 0, "unset refused: %s", msg);
 
     setenv(FAILPOINT_ENV, "a=2:x;b=2-3:y;c=3+:z", 1);
     const char *a[] = {NULL, "x", NULL, NULL};

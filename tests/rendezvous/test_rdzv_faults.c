@@ -16,6 +16,7 @@
  * Real etcd, real participant processes (rdzv_participant); as in
  * test_rdzv_protocol, every scenario ends with the agreement check.
  */
+#include "check.h"
 #include "ductile/etcd.h"
 #include "ductile/rdzv.h"
 #include "test_etcd.h"
@@ -30,16 +31,6 @@
 #ifndef RDZV_PARTICIPANT
 #error "RDZV_PARTICIPANT must name the participant program"
 #endif
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fputc('\n', stderr);                                                                   \
-            return 1;                                                                              \
-        }                                                                                          \
-    } while (0)
 
 #define LINE 4096
 #define T 30000 /* generous deadline of one expectation, ms */
@@ -69,9 +60,9 @@ static int ended_all(tp_set *s, const int *ids, int n, const char *cause)
 {
     char line[LINE], c[64];
     for (int k = 0; k < n; k++) {
-        CHECK(tp_expect(s, ids[k], "ENDED", T, line, sizeof(line)) == 0, "no end");
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "ENDED", T, line, sizeof(line)) == 0, "no end");
         tp_field(line, "cause", c, sizeof(c));
-        CHECK(strcmp(c, cause) == 0, "want cause %s: %s", cause, line);
+        CHECK_OR_RETURN(strcmp(c, cause) == 0, "want cause %s: %s", cause, line);
     }
     return 0;
 }
@@ -80,11 +71,11 @@ static int ended_all(tp_set *s, const int *ids, int n, const char *cause)
 static int report(tp_set *s, int i, const char *cmd, long long restarts, int counted)
 {
     char line[LINE];
-    CHECK(tp_send(s, i, cmd) == 0, "send");
-    CHECK(tp_expect(s, i, "REPORTED", T, line, sizeof(line)) == 0, "no REPORTED");
-    CHECK(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == restarts &&
-              (counted < 0 || tp_ifield(line, "counted") == counted),
-          "want restarts=%lld counted=%d: %s", restarts, counted, line);
+    CHECK_OR_RETURN(tp_send(s, i, cmd) == 0, "send");
+    CHECK_OR_RETURN(tp_expect(s, i, "REPORTED", T, line, sizeof(line)) == 0, "no REPORTED");
+    CHECK_OR_RETURN(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == restarts &&
+                        (counted < 0 || tp_ifield(line, "counted") == counted),
+                    "want restarts=%lld counted=%d: %s", restarts, counted, line);
     return 0;
 }
 
@@ -94,7 +85,7 @@ static int spawn_all(tp_set *s, int n, const char *opts, int *ids)
     for (int i = 0; i < n; i++) {
         snprintf(node, sizeof(node), "p%d", i);
         ids[i] = tp_spawn(s, node, opts);
-        CHECK(ids[i] >= 0, "spawn");
+        CHECK_OR_RETURN(ids[i] >= 0, "spawn");
     }
     return 0;
 }
@@ -107,27 +98,27 @@ static int sc_counting(tp_set *s)
      * alive, so its peers' reports, not its lease, end the round */
     if (spawn_all(s, 3, "--min 2 --max 3 --ttl 30 --last-call-ms 300 --max-restarts 9", ids))
         return 1;
-    CHECK(frozen_all(s, ids, 3, 3, 0) == 1, "round 1 with everyone");
+    CHECK_OR_RETURN(frozen_all(s, ids, 3, 3, 0) == 1, "round 1 with everyone");
     /* a lost peer: a membership change, no restart */
     if (report(s, ids[0], "lost ring: rank 2 closed", 0, 0)) return 1;
     if (ended_all(s, ids, 3, "peer_lost")) return 1;
-    CHECK(frozen_all(s, ids, 3, 3, 0) == 2, "round 2, same members");
+    CHECK_OR_RETURN(frozen_all(s, ids, 3, 3, 0) == 2, "round 2, same members");
     /* the same members lose a peer again: nothing changed, so it counts */
     if (report(s, ids[1], "lost ring: rank 0 timed out", 1, 1)) return 1;
     if (ended_all(s, ids, 3, "failure")) return 1;
-    CHECK(frozen_all(s, ids, 3, 3, 1) == 3, "round 3 after the counted loss");
+    CHECK_OR_RETURN(frozen_all(s, ids, 3, 3, 1) == 3, "round 3 after the counted loss");
     /* a pod killed: its peers see the ring break before its lease ends */
     tp_kill(s, ids[2], SIGKILL);
     if (report(s, ids[0], "lost ring: rank 2 closed", 1, 0)) return 1;
     if (ended_all(s, ids, 2, "peer_lost")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 1) == 4, "round 4 without the killed node");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 1) == 4, "round 4 without the killed node");
     /* other members than the round that ended by a lost peer: not counted */
     if (report(s, ids[1], "lost ring: rank 0 closed", 1, 0)) return 1;
     if (ended_all(s, ids, 2, "peer_lost")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 1) == 5, "round 5");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 1) == 5, "round 5");
     if (report(s, ids[0], "lost again", 2, 1)) return 1;
     if (ended_all(s, ids, 2, "failure")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 2) == 6, "round 6");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 2) == 6, "round 6");
     return 0;
 }
 
@@ -142,27 +133,27 @@ static int sc_counting_crash(tp_set *s)
      * round 2 froze first, p1 reports about round 2: one count either way */
     if (spawn_all(s, 3, "--min 2 --max 3 --ttl 30 --last-call-ms 8000 --max-restarts 9", ids))
         return 1;
-    CHECK(frozen_all(s, ids, 3, 3, 0) == 1, "round 1 with everyone");
+    CHECK_OR_RETURN(frozen_all(s, ids, 3, 3, 0) == 1, "round 1 with everyone");
     tp_kill(s, ids[2], SIGKILL);
     if (report(s, ids[0], "lost ring: rank 1 closed", 0, 0)) return 1;
     if (ended_all(s, ids, 2, "peer_lost")) return 1;
     char line[LINE];
-    CHECK(tp_send(s, ids[1], "fail worker rank 1 was killed by SIGSEGV") == 0, "send");
-    CHECK(tp_expect(s, ids[1], "REPORTED", T, line, sizeof(line)) == 0, "no REPORTED");
-    CHECK(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "counted: %s", line);
+    CHECK_OR_RETURN(tp_send(s, ids[1], "fail worker rank 1 was killed by SIGSEGV") == 0, "send");
+    CHECK_OR_RETURN(tp_expect(s, ids[1], "REPORTED", T, line, sizeof(line)) == 0, "no REPORTED");
+    CHECK_OR_RETURN(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "counted: %s", line);
     /* a second first-hand report about the same round adds nothing */
-    CHECK(tp_send(s, ids[0], "fail worker rank 0 exited with code 1") == 0, "send");
-    CHECK(tp_expect(s, ids[0], "REPORTED", T, line, sizeof(line)) == 0, "no REPORTED");
-    CHECK(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "once: %s", line);
+    CHECK_OR_RETURN(tp_send(s, ids[0], "fail worker rank 0 exited with code 1") == 0, "send");
+    CHECK_OR_RETURN(tp_expect(s, ids[0], "REPORTED", T, line, sizeof(line)) == 0, "no REPORTED");
+    CHECK_OR_RETURN(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "once: %s", line);
     /* the job's count, as `ductile-agent status` reads it */
     rdzv_etcd etcd = {.endpoints = s->endpoint};
     rdzv_status st;
     char msg[256];
-    CHECK(rdzv_get_status(&etcd, s->job, &st, msg) == RDZV_OK, "%s", msg);
+    CHECK_OR_RETURN(rdzv_get_status(&etcd, s->job, &st, msg) == RDZV_OK, "%s", msg);
     long long restarts = st.restarts;
     rdzv_status_free(&st);
-    CHECK(restarts == 1, "the job counted %lld restarts, want 1", restarts);
-    CHECK(frozen_all(s, ids, 2, 2, -1) >= 2, "a round of the two carries on");
+    CHECK_OR_RETURN(restarts == 1, "the job counted %lld restarts, want 1", restarts);
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, -1) >= 2, "a round of the two carries on");
     return 0;
 }
 
@@ -179,20 +170,21 @@ static int sc_report_retry(tp_set *s)
                       "etcd.api.txn=2:ambiguous;etcd.api.txn=3:unavailable;"
                       "etcd.api.txn=4:ambiguous;etcd.api.txn=5:ambiguous");
     ids[1] = tp_spawn(s, "p1", opts);
-    CHECK(ids[0] >= 0 && ids[1] >= 0, "spawn");
-    CHECK(frozen_all(s, ids, 2, 2, 0) == 1, "round 1");
+    CHECK_OR_RETURN(ids[0] >= 0 && ids[1] >= 0, "spawn");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 0) == 1, "round 1");
     if (report(s, ids[0], "fail worker exited with code 1", 1, -1)) return 1;
     if (ended_all(s, ids, 2, "failure")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 1) == 2, "one restart, not two");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 1) == 2, "one restart, not two");
     if (report(s, ids[0], "fail worker exited with code 2", 2, -1)) return 1;
     if (ended_all(s, ids, 2, "failure")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 2) == 3, "two restarts, not three");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 2) == 3, "two restarts, not three");
     char line[LINE];
-    CHECK(tp_send(s, ids[0], "finish") == 0, "send");
-    CHECK(tp_expect(s, ids[0], "FINISHED", T, line, sizeof(line)) == 0, "no FINISHED");
-    CHECK(strstr(line, "rc=ok"), "%s", line);
+    CHECK_OR_RETURN(tp_send(s, ids[0], "finish") == 0, "send");
+    CHECK_OR_RETURN(tp_expect(s, ids[0], "FINISHED", T, line, sizeof(line)) == 0, "no FINISHED");
+    CHECK_OR_RETURN(strstr(line, "rc=ok"), "%s", line);
     for (int k = 0; k < 2; k++)
-        CHECK(tp_expect(s, ids[k], "JOB_DONE", T, line, sizeof(line)) == 0, "no JOB_DONE");
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "JOB_DONE", T, line, sizeof(line)) == 0,
+                        "no JOB_DONE");
     return 0;
 }
 
@@ -221,24 +213,24 @@ static int sc_leave_late(tp_set *s)
     int ids[4];
     char line[LINE];
     if (spawn_all(s, 3, opts, ids)) return 1;
-    CHECK(frozen_all(s, ids, 3, 3, 0) == 1, "round 1 with three (max 3)");
+    CHECK_OR_RETURN(frozen_all(s, ids, 3, 3, 0) == 1, "round 1 with three (max 3)");
     /* p2 stalls (its lease, 30 s, lives on); p1 leaves: round 2 is p0 */
     tp_kill(s, ids[2], SIGSTOP);
-    CHECK(tp_send(s, ids[1], "leave") == 0, "send");
-    CHECK(tp_expect(s, ids[1], "LEFT", T, line, sizeof(line)) == 0, "no LEFT");
-    CHECK(frozen_all(s, ids, 1, 1, 0) == 2, "round 2: p0 alone");
+    CHECK_OR_RETURN(tp_send(s, ids[1], "leave") == 0, "send");
+    CHECK_OR_RETURN(tp_expect(s, ids[1], "LEFT", T, line, sizeof(line)) == 0, "no LEFT");
+    CHECK_OR_RETURN(frozen_all(s, ids, 1, 1, 0) == 2, "round 2: p0 alone");
     /* p3 waits and round 2 has room: opening round 3 collects rounds/1/ */
     ids[3] = tp_spawn(s, "p3", opts);
-    CHECK(ids[3] >= 0, "spawn");
+    CHECK_OR_RETURN(ids[3] >= 0, "spawn");
     int now[2] = {ids[0], ids[3]};
-    CHECK(frozen_all(s, now, 2, 2, 0) == 3, "round 3: p0 and p3");
-    CHECK(count_keys(s->endpoint, s->job, "rounds/1/") == 0, "round 1's keys collected");
+    CHECK_OR_RETURN(frozen_all(s, now, 2, 2, 0) == 3, "round 3: p0 and p3");
+    CHECK_OR_RETURN(count_keys(s->endpoint, s->job, "rounds/1/") == 0, "round 1's keys collected");
     /* p2 wakes and leaves as a member of round 1, whose keys are gone */
-    CHECK(tp_send(s, ids[2], "leave") == 0, "send");
+    CHECK_OR_RETURN(tp_send(s, ids[2], "leave") == 0, "send");
     tp_kill(s, ids[2], SIGCONT);
-    CHECK(tp_expect(s, ids[2], "LEFT", T, line, sizeof(line)) == 0, "no LEFT from p2");
-    CHECK(count_keys(s->endpoint, s->job, "rounds/1/") == 0,
-          "no leave marker left behind under rounds/1/");
+    CHECK_OR_RETURN(tp_expect(s, ids[2], "LEFT", T, line, sizeof(line)) == 0, "no LEFT from p2");
+    CHECK_OR_RETURN(count_keys(s->endpoint, s->job, "rounds/1/") == 0,
+                    "no leave marker left behind under rounds/1/");
     return 0;
 }
 
@@ -247,19 +239,20 @@ static int sc_limits(tp_set *s)
     snprintf(s->job, sizeof(s->job), "limits");
     char line[LINE];
     int a = tp_spawn(s, "a", "--min 2 --max 3");
-    CHECK(tp_expect(s, a, "OPEN", T, line, sizeof(line)) == 0, "a open");
+    CHECK_OR_RETURN(tp_expect(s, a, "OPEN", T, line, sizeof(line)) == 0, "a open");
     /* round 1 exists once a has joined; wait for its record */
     for (int i = 0; i < 100 && count_keys(s->endpoint, s->job, "round") < 1; i++)
         usleep(50000);
     int b = tp_spawn(s, "b", "--min 1 --max 3");
-    CHECK(tp_expect(s, b, "OPEN_ERR", T, line, sizeof(line)) == 0, "b refused");
-    CHECK(strstr(line, "err=arg") && strstr(line, "2:3") && strstr(line, "1:3"), "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, b, "OPEN_ERR", T, line, sizeof(line)) == 0, "b refused");
+    CHECK_OR_RETURN(strstr(line, "err=arg") && strstr(line, "2:3") && strstr(line, "1:3"), "%s",
+                    line);
     int c = tp_spawn(s, "c", "--min 2 --max 3 --lws 5000");
-    CHECK(tp_expect(s, c, "OPEN_ERR", T, line, sizeof(line)) == 0, "c refused");
-    CHECK(strstr(line, "err=arg") && strstr(line, "local_world_size"), "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, c, "OPEN_ERR", T, line, sizeof(line)) == 0, "c refused");
+    CHECK_OR_RETURN(strstr(line, "err=arg") && strstr(line, "local_world_size"), "%s", line);
     int d = tp_spawn(s, "d", "--min 2 --max 3");
     int both[2] = {a, d};
-    CHECK(frozen_all(s, both, 2, 2, 0) == 1, "the same limits join");
+    CHECK_OR_RETURN(frozen_all(s, both, 2, 2, 0) == 1, "the same limits join");
     return 0;
 }
 
@@ -298,64 +291,40 @@ static int sc_stale(tp_set *s)
     snprintf(s->job, sizeof(s->job), "stale");
     int ids[2];
     if (spawn_all(s, 2, "--min 2 --max 2 --ttl 30 --max-restarts 5", ids)) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 0) == 1, "round 1");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 0) == 1, "round 1");
     char *r1 = get_round(s->endpoint, s->job);
-    CHECK(r1 && strstr(r1, "\"frozen\""), "round 1 record");
+    CHECK_OR_RETURN(r1 && strstr(r1, "\"frozen\""), "round 1 record");
     if (report(s, ids[0], "lost ring closed", 0, 0)) return 1;
     if (ended_all(s, ids, 2, "peer_lost")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 0) == 2, "round 2");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 0) == 2, "round 2");
     char *r2 = get_round(s->endpoint, s->job);
-    CHECK(r2 && strstr(r2, "\"frozen\""), "round 2 record");
+    CHECK_OR_RETURN(r2 && strstr(r2, "\"frozen\""), "round 2 record");
     /* The drivers see round 1's record again (as a stale watch cache would
      * show it), then round 2's again: neither is reported a second time. */
-    CHECK(put_round(s->endpoint, s->job, r1) == 0, "put");
+    CHECK_OR_RETURN(put_round(s->endpoint, s->job, r1) == 0, "put");
     usleep(500000);
-    CHECK(put_round(s->endpoint, s->job, r2) == 0, "put");
+    CHECK_OR_RETURN(put_round(s->endpoint, s->job, r2) == 0, "put");
     usleep(500000);
     free(r1);
     free(r2);
     /* the next event each one reports is the end of round 2, then round 3 */
     if (report(s, ids[1], "lost ring closed", 1, 1)) return 1;
     if (ended_all(s, ids, 2, "failure")) return 1;
-    CHECK(frozen_all(s, ids, 2, 2, 1) == 3, "round 3 is the next FROZEN, none in between");
+    CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 1) == 3,
+                    "round 3 is the next FROZEN, none in between");
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s counting|counting-crash|report-retry|leave-late|limits|stale\n",
-                argv[0]);
-        return 2;
-    }
-    const char *sc = argv[1];
-    test_etcd e;
-    if (test_etcd_start(&e) != 0) return 1;
-    tp_set s;
-    tp_init(&s, RDZV_PARTICIPANT, e.endpoint, "job");
-    int rc;
-    if (!strcmp(sc, "counting"))
-        rc = sc_counting(&s);
-    else if (!strcmp(sc, "counting-crash"))
-        rc = sc_counting_crash(&s);
-    else if (!strcmp(sc, "report-retry"))
-        rc = sc_report_retry(&s);
-    else if (!strcmp(sc, "leave-late"))
-        rc = sc_leave_late(&s);
-    else if (!strcmp(sc, "limits"))
-        rc = sc_limits(&s);
-    else if (!strcmp(sc, "stale"))
-        rc = sc_stale(&s);
-    else {
-        fprintf(stderr, "unknown scenario %s\n", sc);
-        rc = 2;
-    }
-    if (rc == 0 && tp_check_agreement(&s) != 0) {
-        fprintf(stderr, "FAIL: participants disagree on a round's membership\n");
-        rc = 1;
-    }
-    tp_free(&s);
-    test_etcd_stop(&e);
-    if (rc == 0) printf("ok %s\n", sc);
-    return rc;
+    static const tp_scenario scenarios[] = {
+        {"counting", sc_counting},
+        {"counting-crash", sc_counting_crash},
+        {"report-retry", sc_report_retry},
+        {"leave-late", sc_leave_late},
+        {"limits", sc_limits},
+        {"stale", sc_stale},
+    };
+    return tp_main(argc, argv, RDZV_PARTICIPANT, scenarios,
+                   sizeof(scenarios) / sizeof(scenarios[0]));
 }

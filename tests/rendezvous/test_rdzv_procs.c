@@ -4,6 +4,8 @@
  */
 #include "test_rdzv_procs.h"
 
+#include "ductile/clock.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -13,15 +15,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
-
-double tp_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 void tp_init(tp_set *s, const char *exe, const char *endpoint, const char *job)
 {
@@ -169,7 +163,7 @@ static void read_proc(tp_set *s, tp_proc *p)
 
 void tp_drain(tp_set *s, int timeout_ms)
 {
-    double deadline = tp_now() + timeout_ms / 1000.0;
+    double deadline = mono_now_s() + timeout_ms / 1000.0;
     for (;;) {
         struct pollfd pf[256];
         int n = 0;
@@ -178,7 +172,7 @@ void tp_drain(tp_set *s, int timeout_ms)
             pf[n].events = POLLIN;
             n++;
         }
-        int left = (int)((deadline - tp_now()) * 1000);
+        int left = (int)((deadline - mono_now_s()) * 1000);
         if (left < 0) left = 0;
         int rc = poll(pf, (nfds_t)n, left);
         if (rc <= 0) return;
@@ -196,7 +190,7 @@ static int first_word_is(const char *line, const char *word)
 int tp_expect(tp_set *s, int i, const char *word, int timeout_ms, char *out, size_t outlen)
 {
     tp_proc *p = &s->procs[i];
-    double deadline = tp_now() + timeout_ms / 1000.0;
+    double deadline = mono_now_s() + timeout_ms / 1000.0;
     for (;;) {
         for (size_t k = 0; k < p->nlines; k++) {
             if (!p->taken[k] && first_word_is(p->lines[k], word)) {
@@ -205,7 +199,7 @@ int tp_expect(tp_set *s, int i, const char *word, int timeout_ms, char *out, siz
                 return 0;
             }
         }
-        double left = deadline - tp_now();
+        double left = deadline - mono_now_s();
         if (left <= 0 || p->eof) break;
         struct pollfd pf = {.fd = p->out_fd, .events = POLLIN};
         if (poll(&pf, 1, (int)(left * 1000) + 1) > 0) read_proc(s, p);
@@ -257,4 +251,44 @@ void tp_free(tp_set *s)
     free(s->procs);
     free(s->frozen);
     memset(s, 0, sizeof(*s));
+}
+
+static void tp_usage(const char *prog, const tp_scenario *scenarios, size_t n)
+{
+    fprintf(stderr, "usage: %s ", prog);
+    for (size_t i = 0; i < n; i++)
+        fprintf(stderr, "%s%s", i ? "|" : "", scenarios[i].name);
+    fputc('\n', stderr);
+}
+
+int tp_main(int argc, char **argv, const char *exe, const tp_scenario *scenarios, size_t n)
+{
+    if (argc != 2) {
+        tp_usage(argv[0], scenarios, n);
+        return 2;
+    }
+    const char *name = argv[1];
+    const tp_scenario *sc = NULL;
+    for (size_t i = 0; i < n && !sc; i++)
+        if (strcmp(scenarios[i].name, name) == 0) sc = &scenarios[i];
+    test_etcd e;
+    if (test_etcd_start(&e) != 0) return 1;
+    tp_set s;
+    tp_init(&s, exe, e.endpoint, "job");
+    s.etcd = &e;
+    int rc;
+    if (sc) {
+        rc = sc->fn(&s);
+    } else {
+        fprintf(stderr, "unknown scenario %s\n", name);
+        rc = 2;
+    }
+    if (rc == 0 && tp_check_agreement(&s) != 0) {
+        fprintf(stderr, "FAIL: participants disagree on a round's membership\n");
+        rc = 1;
+    }
+    tp_free(&s);
+    test_etcd_stop(&e);
+    if (rc == 0) printf("ok %s\n", name);
+    return rc;
 }

@@ -7,6 +7,9 @@
  * the order in which lines came. Every FROZEN line of every process is also
  * kept, so that a scenario can check that no two participants ever believed
  * in different memberships for the same round number.
+ *
+ * tp_main() is the whole main of a scenario test: a table of named
+ * scenarios, one run per invocation against its own etcd.
  */
 #ifndef DUCTILE_TEST_RDZV_PROCS_H
 #define DUCTILE_TEST_RDZV_PROCS_H
@@ -14,6 +17,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+
+#include "ductile/clock.h"
+#include "test_etcd.h"
 
 typedef struct tp_proc {
     pid_t pid;
@@ -43,6 +49,7 @@ typedef struct tp_set {
     int nprocs, cap;
     tp_frozen *frozen;
     size_t nfrozen, frozen_cap;
+    test_etcd *etcd; /* the server, under tp_main (a scenario may restart it) */
 } tp_set;
 
 void tp_init(tp_set *s, const char *exe, const char *endpoint, const char *job);
@@ -63,6 +70,22 @@ void tp_drain(tp_set *s, int timeout_ms);
 int tp_check_agreement(tp_set *s);
 /* Kills and reaps every process, frees everything. */
 void tp_free(tp_set *s);
-double tp_now(void);
+
+/* mono_now_s() (clock.h) under the name bench/rendezvous/bench_rdzv.c
+ * still calls; the tests use mono_now_s(). */
+static inline double tp_now(void)
+{
+    return mono_now_s();
+}
+
+typedef struct tp_scenario {
+    const char *name;
+    int (*fn)(tp_set *s); /* 0, or 1 after saying what failed */
+} tp_scenario;
+
+/* `PROG SCENARIO`: starts an etcd, runs the named scenario with exe as the
+ * participant program and job "job", and ends by checking agreement. Says
+ * "ok SCENARIO" and returns 0; 1 on a failure, 2 on a bad command line. */
+int tp_main(int argc, char **argv, const char *exe, const tp_scenario *scenarios, size_t n);
 
 #endif

@@ -9,6 +9,7 @@
  * different memberships for the same round number. Time bounds here are
  * correctness bounds (e.g. "before the lease TTL"), kept generous.
  */
+#include "check.h"
 #include "test_etcd.h"
 #include "test_rdzv_procs.h"
 
@@ -22,16 +23,6 @@
 #error "RDZV_PARTICIPANT must name the participant program"
 #endif
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fputc('\n', stderr);                                                                   \
-            return 1;                                                                              \
-        }                                                                                          \
-    } while (0)
-
 #define LINE 4096
 
 /* Waits for FROZEN from each of procs[0..n-1]; fills lines; checks they
@@ -43,8 +34,8 @@ static int expect_round(tp_set *s, const int *procs, int n, int lws, int timeout
                         char lines[][LINE])
 {
     for (int k = 0; k < n; k++)
-        CHECK(tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) == 0,
-              "process %d did not report a frozen round", procs[k]);
+        CHECK_OR_RETURN(tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) == 0,
+                        "process %d did not report a frozen round", procs[k]);
     return check_round(s, procs, n, lws, lines);
 }
 
@@ -55,8 +46,8 @@ static int expect_round(tp_set *s, const int *procs, int n, int lws, int timeout
 static int settle_round(tp_set *s, const int *procs, int n, int timeout_ms, char lines[][LINE])
 {
     for (int k = 0; k < n; k++)
-        CHECK(tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) == 0,
-              "process %d did not report a frozen round", procs[k]);
+        CHECK_OR_RETURN(tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) == 0,
+                        "process %d did not report a frozen round", procs[k]);
     for (int pass = 0; pass < 8; pass++) {
         long long maxr = 0;
         for (int k = 0; k < n; k++)
@@ -67,13 +58,14 @@ static int settle_round(tp_set *s, const int *procs, int n, int timeout_ms, char
                 continue;
             settled = 0;
             char ended[LINE];
-            CHECK(tp_expect(s, procs[k], "ENDED", timeout_ms, ended, LINE) == 0, "no end");
-            CHECK(tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) == 0,
-                  "process %d did not report the next round", procs[k]);
+            CHECK_OR_RETURN(tp_expect(s, procs[k], "ENDED", timeout_ms, ended, LINE) == 0,
+                            "no end");
+            CHECK_OR_RETURN(tp_expect(s, procs[k], "FROZEN", timeout_ms, lines[k], LINE) == 0,
+                            "process %d did not report the next round", procs[k]);
         }
         if (settled) return check_round(s, procs, n, 1, lines);
     }
-    CHECK(0, "participants never settled in one round");
+    CHECK_OR_RETURN(0, "participants never settled in one round");
 }
 
 static int check_round(tp_set *s, const int *procs, int n, int lws, char lines[][LINE])
@@ -81,7 +73,7 @@ static int check_round(tp_set *s, const int *procs, int n, int lws, char lines[]
     (void)s;
     (void)procs;
     char *seen = calloc((size_t)n, 1);
-    CHECK(seen, "calloc");
+    CHECK_OR_RETURN(seen, "calloc");
     char members0[LINE];
     tp_field(lines[0], "members", members0, sizeof(members0));
     long long round0 = tp_ifield(lines[0], "round");
@@ -104,7 +96,7 @@ static int check_round(tp_set *s, const int *procs, int n, int lws, char lines[]
     if (bad) {
         for (int k = 0; k < n; k++)
             fprintf(stderr, "    %s\n", lines[k]);
-        CHECK(0, "inconsistent round (reason %d)", bad);
+        CHECK_OR_RETURN(0, "inconsistent round (reason %d)", bad);
     }
     return 0;
 }
@@ -133,14 +125,14 @@ static void without(const char *members, const char *node, char *out, size_t len
 static int sc_form(tp_set *s)
 {
     char(*lines)[LINE] = lines_alloc();
-    CHECK(lines, "calloc");
+    CHECK_OR_RETURN(lines, "calloc");
     int ids[32];
     char node[32];
     /* one participant, alone */
     snprintf(s->job, sizeof(s->job), "form-one");
     ids[0] = tp_spawn(s, "solo", "--min 1 --max 1 --lws 3");
     if (expect_round(s, ids, 1, 3, 20000, lines) != 0) return 1;
-    CHECK(tp_ifield(lines[0], "round") == 1, "%s", lines[0]);
+    CHECK_OR_RETURN(tp_ifield(lines[0], "round") == 1, "%s", lines[0]);
 
     /* sixteen, min = max = 16: frozen at once when the 16th joins */
     snprintf(s->job, sizeof(s->job), "form-sixteen");
@@ -162,10 +154,11 @@ static int sc_form(tp_set *s)
     snprintf(s->job, sizeof(s->job), "form-short");
     ids[0] = tp_spawn(s, "lonely", "--min 2 --max 2 --join-timeout-ms 1500");
     char line[LINE];
-    CHECK(tp_expect(s, ids[0], "ERROR", 20000, line, sizeof(line)) == 0, "no join timeout");
+    CHECK_OR_RETURN(tp_expect(s, ids[0], "ERROR", 20000, line, sizeof(line)) == 0,
+                    "no join timeout");
     char err[64];
     tp_field(line, "err", err, sizeof(err));
-    CHECK(strcmp(err, "timeout") == 0, "%s", line);
+    CHECK_OR_RETURN(strcmp(err, "timeout") == 0, "%s", line);
     free(lines);
     return 0;
 }
@@ -177,7 +170,7 @@ static int start_round(tp_set *s, int n, const char *opts, int *ids, char lines[
     for (int i = 0; i < n; i++) {
         snprintf(node, sizeof(node), "p%d", i);
         ids[i] = tp_spawn(s, node, opts);
-        CHECK(ids[i] >= 0, "spawn");
+        CHECK_OR_RETURN(ids[i] >= 0, "spawn");
     }
     return settle_round(s, ids, n, 60000, lines);
 }
@@ -202,21 +195,24 @@ static int expect_survivors(tp_set *s, int *ids, int n, int gone, const char *ca
     for (int k = 0; k < n; k++)
         if (k != gone) rest[m++] = ids[k];
     for (int k = 0; k < m; k++) {
-        CHECK(tp_expect(s, rest[k], "ENDED", (int)(bound_s * 1000), line, sizeof(line)) == 0,
-              "no end of round");
-        double dt = tp_now() - t0;
+        CHECK_OR_RETURN(tp_expect(s, rest[k], "ENDED", (int)(bound_s * 1000), line, sizeof(line)) ==
+                            0,
+                        "no end of round");
+        double dt = mono_now_s() - t0;
         char c[64], by[64];
         tp_field(line, "cause", c, sizeof(c));
         tp_field(line, "by", by, sizeof(by));
-        CHECK(strcmp(c, cause) == 0 && strcmp(by, s->procs[ids[gone]].node) == 0, "%s", line);
-        CHECK(dt < bound_s, "noticed after %.1f s (bound %.1f s)", dt, bound_s);
+        CHECK_OR_RETURN(strcmp(c, cause) == 0 && strcmp(by, s->procs[ids[gone]].node) == 0, "%s",
+                        line);
+        CHECK_OR_RETURN(dt < bound_s, "noticed after %.1f s (bound %.1f s)", dt, bound_s);
     }
     char(*after)[LINE] = lines_alloc();
-    CHECK(after, "calloc");
+    CHECK_OR_RETURN(after, "calloc");
     if (expect_round(s, rest, m, 1, 30000, after) != 0) return 1;
     char now[LINE];
     tp_field(after[0], "members", now, sizeof(now));
-    CHECK(strcmp(now, expect) == 0, "survivors' order changed: was %s, now %s", members, now);
+    CHECK_OR_RETURN(strcmp(now, expect) == 0, "survivors' order changed: was %s, now %s", members,
+                    now);
     for (int k = 0; k < m; k++)
         snprintf(lines[k], LINE, "%s", after[k]);
     free(after);
@@ -230,8 +226,8 @@ static int sc_kill(tp_set *s)
     int ids[8];
     if (start_round(s, 4, "--min 2 --max 4 --ttl 3 --last-call-ms 300", ids, lines) != 0) return 1;
     int victim = holder(lines, 4, 1);
-    CHECK(victim >= 0, "no rank 1");
-    double t0 = tp_now();
+    CHECK_OR_RETURN(victim >= 0, "no rank 1");
+    double t0 = mono_now_s();
     tp_kill(s, ids[victim], SIGKILL);
     /* the lease TTL (3 s) bounds the detection; etcd checks expiry at
      * intervals, so allow it a little more */
@@ -248,12 +244,12 @@ static int sc_leave(tp_set *s)
     /* TTL 30 s: a clean leave must be seen long before the lease could expire */
     if (start_round(s, 4, "--min 2 --max 4 --ttl 30 --last-call-ms 300", ids, lines) != 0) return 1;
     int who = holder(lines, 4, 2);
-    CHECK(who >= 0, "no rank 2");
-    double t0 = tp_now();
-    CHECK(tp_send(s, ids[who], "leave") == 0, "send");
+    CHECK_OR_RETURN(who >= 0, "no rank 2");
+    double t0 = mono_now_s();
+    CHECK_OR_RETURN(tp_send(s, ids[who], "leave") == 0, "send");
     char line[LINE];
-    CHECK(tp_expect(s, ids[who], "LEFT", 10000, line, sizeof(line)) == 0, "no LEFT");
-    CHECK(strstr(line, "rc=ok") != NULL, "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, ids[who], "LEFT", 10000, line, sizeof(line)) == 0, "no LEFT");
+    CHECK_OR_RETURN(strstr(line, "rc=ok") != NULL, "%s", line);
     int rc = expect_survivors(s, ids, 4, who, "member_left", lines, t0, 10.0);
     free(lines);
     return rc;
@@ -273,22 +269,23 @@ static int sc_waiting(tp_set *s)
     /* a third node: there is room, so a new round opens and takes it in */
     ids[2] = tp_spawn(s, "p2", opts);
     for (int k = 0; k < 2; k++) {
-        CHECK(tp_expect(s, ids[k], "ENDED", 20000, line, sizeof(line)) == 0, "no end");
-        CHECK(strstr(line, "cause=node_waiting") && strstr(line, "by=p2"), "%s", line);
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "ENDED", 20000, line, sizeof(line)) == 0, "no end");
+        CHECK_OR_RETURN(strstr(line, "cause=node_waiting") && strstr(line, "by=p2"), "%s", line);
     }
     if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
     tp_field(lines[0], "members", members, sizeof(members));
     char expect[LINE];
     snprintf(expect, sizeof(expect), "%.4000s,p2", first);
-    CHECK(strcmp(members, expect) == 0, "old members keep their order, newcomer last: %s", members);
+    CHECK_OR_RETURN(strcmp(members, expect) == 0, "old members keep their order, newcomer last: %s",
+                    members);
 
     /* a fourth: the round is full, it is a hot spare */
     ids[3] = tp_spawn(s, "p3", opts);
-    CHECK(tp_expect(s, ids[3], "SPARE", 20000, line, sizeof(line)) == 0, "no SPARE");
+    CHECK_OR_RETURN(tp_expect(s, ids[3], "SPARE", 20000, line, sizeof(line)) == 0, "no SPARE");
 
     /* a member leaves: the spare is in the next round at once */
     int who = holder(lines, 3, 0);
-    CHECK(tp_send(s, ids[who], "leave") == 0, "send");
+    CHECK_OR_RETURN(tp_send(s, ids[who], "leave") == 0, "send");
     int rest[3], m = 0;
     for (int k = 0; k < 4; k++)
         if (k != who) rest[m++] = ids[k];
@@ -297,7 +294,7 @@ static int sc_waiting(tp_set *s)
     char kept[LINE];
     without(expect, s->procs[ids[who]].node, kept, sizeof(kept));
     snprintf(expect, sizeof(expect), "%.4000s,p3", kept);
-    CHECK(strcmp(members, expect) == 0, "expected %s, got %s", expect, members);
+    CHECK_OR_RETURN(strcmp(members, expect) == 0, "expected %s, got %s", expect, members);
     free(lines);
     return 0;
 }
@@ -309,27 +306,29 @@ static int sc_failure(tp_set *s)
     char line[LINE];
     int ids[4];
     if (start_round(s, 3, "--min 3 --max 3 --ttl 30 --max-restarts 1", ids, lines) != 0) return 1;
-    CHECK(tp_ifield(lines[0], "restarts") == 0, "%s", lines[0]);
-    CHECK(tp_send(s, ids[0], "fail worker 3 exited with status 1") == 0, "send");
-    CHECK(tp_expect(s, ids[0], "REPORTED", 10000, line, sizeof(line)) == 0, "no REPORTED");
-    CHECK(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "%s", line);
+    CHECK_OR_RETURN(tp_ifield(lines[0], "restarts") == 0, "%s", lines[0]);
+    CHECK_OR_RETURN(tp_send(s, ids[0], "fail worker 3 exited with status 1") == 0, "send");
+    CHECK_OR_RETURN(tp_expect(s, ids[0], "REPORTED", 10000, line, sizeof(line)) == 0,
+                    "no REPORTED");
+    CHECK_OR_RETURN(strstr(line, "rc=ok") && tp_ifield(line, "restarts") == 1, "%s", line);
     for (int k = 0; k < 3; k++) {
-        CHECK(tp_expect(s, ids[k], "ENDED", 10000, line, sizeof(line)) == 0, "no end");
-        CHECK(strstr(line, "cause=failure"), "%s", line);
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "ENDED", 10000, line, sizeof(line)) == 0, "no end");
+        CHECK_OR_RETURN(strstr(line, "cause=failure"), "%s", line);
     }
     if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
     for (int k = 0; k < 3; k++)
-        CHECK(tp_ifield(lines[k], "restarts") == 1, "%s", lines[k]);
+        CHECK_OR_RETURN(tp_ifield(lines[k], "restarts") == 1, "%s", lines[k]);
     /* a second failure is past max_restarts = 1: the job fails everywhere */
-    CHECK(tp_send(s, ids[1], "fail again") == 0, "send");
+    CHECK_OR_RETURN(tp_send(s, ids[1], "fail again") == 0, "send");
     for (int k = 0; k < 3; k++) {
-        CHECK(tp_expect(s, ids[k], "JOB_FAILED", 10000, line, sizeof(line)) == 0, "no JOB_FAILED");
-        CHECK(strstr(line, "restart_limit"), "%s", line);
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "JOB_FAILED", 10000, line, sizeof(line)) == 0,
+                        "no JOB_FAILED");
+        CHECK_OR_RETURN(strstr(line, "restart_limit"), "%s", line);
     }
     /* and a node that starts later is told so at once */
     int late = tp_spawn(s, "late", "--min 3 --max 3");
-    CHECK(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
-    CHECK(strstr(line, "err=job_failed"), "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
+    CHECK_OR_RETURN(strstr(line, "err=job_failed"), "%s", line);
     free(lines);
     return 0;
 }
@@ -341,17 +340,18 @@ static int sc_finish(tp_set *s)
     char line[LINE];
     int ids[4];
     if (start_round(s, 3, "--min 3 --max 3 --ttl 30", ids, lines) != 0) return 1;
-    CHECK(tp_send(s, ids[2], "finish") == 0, "send");
+    CHECK_OR_RETURN(tp_send(s, ids[2], "finish") == 0, "send");
     for (int k = 0; k < 3; k++)
-        CHECK(tp_expect(s, ids[k], "JOB_DONE", 10000, line, sizeof(line)) == 0, "no JOB_DONE");
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "JOB_DONE", 10000, line, sizeof(line)) == 0,
+                        "no JOB_DONE");
     int late = tp_spawn(s, "late", "--min 3 --max 3");
-    CHECK(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
-    CHECK(strstr(line, "err=job_done"), "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
+    CHECK_OR_RETURN(strstr(line, "err=job_done"), "%s", line);
     free(lines);
     return 0;
 }
 
-static int sc_etcd_restart(tp_set *s, test_etcd *e)
+static int sc_etcd_restart(tp_set *s)
 {
     snprintf(s->job, sizeof(s->job), "etcd-restart");
     char(*lines)[LINE] = lines_alloc();
@@ -361,21 +361,21 @@ static int sc_etcd_restart(tp_set *s, test_etcd *e)
     ids[0] = tp_spawn(s, "p0", opts);
     ids[1] = tp_spawn(s, "p1", opts);
     for (int k = 0; k < 2; k++)
-        CHECK(tp_expect(s, ids[k], "OPEN", 20000, line, sizeof(line)) == 0, "no OPEN");
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "OPEN", 20000, line, sizeof(line)) == 0, "no OPEN");
     /* both have joined round 1 and wait for a third; etcd goes away */
-    test_etcd_kill(e);
+    test_etcd_kill(s->etcd);
     usleep(1500 * 1000);
-    CHECK(test_etcd_restart(e) == 0, "etcd restart");
+    CHECK_OR_RETURN(test_etcd_restart(s->etcd) == 0, "etcd restart");
     ids[2] = tp_spawn(s, "p2", opts);
     if (expect_round(s, ids, 3, 1, 60000, lines) != 0) return 1;
     /* etcd goes away again under a frozen round; once it is back, a leave
      * must still reach everyone (their watches resumed) */
-    test_etcd_kill(e);
+    test_etcd_kill(s->etcd);
     usleep(1500 * 1000);
-    CHECK(test_etcd_restart(e) == 0, "etcd restart");
+    CHECK_OR_RETURN(test_etcd_restart(s->etcd) == 0, "etcd restart");
     int who = holder(lines, 3, 1);
-    CHECK(who >= 0, "no rank 1");
-    CHECK(tp_send(s, ids[who], "leave") == 0, "send");
+    CHECK_OR_RETURN(who >= 0, "no rank 1");
+    CHECK_OR_RETURN(tp_send(s, ids[who], "leave") == 0, "send");
     char members[LINE], expect[LINE];
     tp_field(lines[0], "members", members, sizeof(members));
     without(members, s->procs[ids[who]].node, expect, sizeof(expect));
@@ -383,8 +383,8 @@ static int sc_etcd_restart(tp_set *s, test_etcd *e)
     for (int k = 0; k < 3; k++) {
         if (k == who) continue;
         rest[m++] = ids[k];
-        CHECK(tp_expect(s, ids[k], "ENDED", 20000, line, sizeof(line)) == 0, "no end");
-        CHECK(strstr(line, "cause=member_left"), "%s", line);
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "ENDED", 20000, line, sizeof(line)) == 0, "no end");
+        CHECK_OR_RETURN(strstr(line, "cause=member_left"), "%s", line);
     }
     /* min is 3: a newcomer completes the next round, after the survivors */
     rest[m++] = tp_spawn(s, "p3", opts);
@@ -392,7 +392,7 @@ static int sc_etcd_restart(tp_set *s, test_etcd *e)
     tp_field(lines[0], "members", members, sizeof(members));
     size_t l = strlen(expect);
     snprintf(expect + l, sizeof(expect) - l, ",p3");
-    CHECK(strcmp(members, expect) == 0, "expected %s, got %s", expect, members);
+    CHECK_OR_RETURN(strcmp(members, expect) == 0, "expected %s, got %s", expect, members);
     free(lines);
     return 0;
 }
@@ -407,13 +407,14 @@ static int sc_stall(tp_set *s)
     int ids[4];
     if (start_round(s, 3, "--min 2 --max 3 --ttl 3 --last-call-ms 300", ids, lines) != 0) return 1;
     int who = holder(lines, 3, 0);
-    CHECK(who >= 0, "no rank 0");
-    double t0 = tp_now();
+    CHECK_OR_RETURN(who >= 0, "no rank 0");
+    double t0 = mono_now_s();
     tp_kill(s, ids[who], SIGSTOP);
     if (expect_survivors(s, ids, 3, who, "member_lost", lines, t0, 3.0 + 5.0) != 0) return 1;
     tp_kill(s, ids[who], SIGCONT);
-    CHECK(tp_expect(s, ids[who], "ERROR", 15000, line, sizeof(line)) == 0, "no error on wake");
-    CHECK(strstr(line, "err=lease_lost"), "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, ids[who], "ERROR", 15000, line, sizeof(line)) == 0,
+                    "no error on wake");
+    CHECK_OR_RETURN(strstr(line, "err=lease_lost"), "%s", line);
     free(lines);
     return 0;
 }
@@ -433,7 +434,7 @@ static int sc_all_dead(tp_set *s)
     fresh[0] = tp_spawn(s, "q0", opts);
     fresh[1] = tp_spawn(s, "q1", opts);
     if (expect_round(s, fresh, 2, 1, 30000, lines) != 0) return 1;
-    CHECK(tp_ifield(lines[0], "round") >= 2, "%s", lines[0]);
+    CHECK_OR_RETURN(tp_ifield(lines[0], "round") >= 2, "%s", lines[0]);
     free(lines);
     return 0;
 }
@@ -447,17 +448,17 @@ static int sc_takeover(tp_set *s)
     char line[LINE];
     const char *opts = "--min 3 --max 3 --ttl 3";
     int first = tp_spawn(s, "a0", opts);
-    CHECK(tp_expect(s, first, "OPEN", 20000, line, sizeof(line)) == 0, "a0 open");
+    CHECK_OR_RETURN(tp_expect(s, first, "OPEN", 20000, line, sizeof(line)) == 0, "a0 open");
     int ids[3];
     ids[0] = tp_spawn(s, "a1", opts);
-    CHECK(tp_expect(s, ids[0], "OPEN", 20000, line, sizeof(line)) == 0, "a1 open");
+    CHECK_OR_RETURN(tp_expect(s, ids[0], "OPEN", 20000, line, sizeof(line)) == 0, "a1 open");
     tp_kill(s, first, SIGKILL);
     ids[1] = tp_spawn(s, "a2", opts);
     ids[2] = tp_spawn(s, "a3", opts);
     if (expect_round(s, ids, 3, 1, 30000, lines) != 0) return 1;
     char members[LINE];
     tp_field(lines[0], "members", members, sizeof(members));
-    CHECK(strstr(members, "a0") == NULL, "the dead freezer is a member: %s", members);
+    CHECK_OR_RETURN(strstr(members, "a0") == NULL, "the dead freezer is a member: %s", members);
     free(lines);
     return 0;
 }
@@ -468,82 +469,49 @@ static int sc_errors(tp_set *s)
     /* the same node id twice while the first is alive */
     snprintf(s->job, sizeof(s->job), "dup");
     int a = tp_spawn(s, "twin", "--min 2 --max 2");
-    CHECK(tp_expect(s, a, "OPEN", 20000, line, sizeof(line)) == 0, "first open");
+    CHECK_OR_RETURN(tp_expect(s, a, "OPEN", 20000, line, sizeof(line)) == 0, "first open");
     int b = tp_spawn(s, "twin", "--min 2 --max 2");
-    CHECK(tp_expect(s, b, "OPEN_ERR", 20000, line, sizeof(line)) == 0, "second open");
+    CHECK_OR_RETURN(tp_expect(s, b, "OPEN_ERR", 20000, line, sizeof(line)) == 0, "second open");
     tp_field(line, "err", err, sizeof(err));
-    CHECK(strcmp(err, "duplicate") == 0, "%s", line);
+    CHECK_OR_RETURN(strcmp(err, "duplicate") == 0, "%s", line);
 
     /* bad configuration: one clear line, no crash */
     int c = tp_spawn(s, "bad", "--min 3 --max 2");
-    CHECK(tp_expect(s, c, "OPEN_ERR", 20000, line, sizeof(line)) == 0, "bad config");
-    CHECK(strstr(line, "err=arg"), "%s", line);
+    CHECK_OR_RETURN(tp_expect(s, c, "OPEN_ERR", 20000, line, sizeof(line)) == 0, "bad config");
+    CHECK_OR_RETURN(strstr(line, "err=arg"), "%s", line);
 
     /* etcd not there at all: a clear error within the deadline */
     tp_set down;
     char ep[64];
     snprintf(ep, sizeof(ep), "http://127.0.0.1:%d", test_free_port());
     tp_init(&down, s->exe, ep, "down");
-    double t0 = tp_now();
+    double t0 = mono_now_s();
     int d = tp_spawn(&down, "x", "--etcd-timeout-ms 2000");
     int got = tp_expect(&down, d, "OPEN_ERR", 20000, line, sizeof(line));
-    double dt = tp_now() - t0;
+    double dt = mono_now_s() - t0;
     tp_free(&down);
-    CHECK(got == 0, "no error with etcd down");
+    CHECK_OR_RETURN(got == 0, "no error with etcd down");
     tp_field(line, "err", err, sizeof(err));
-    CHECK(strcmp(err, "etcd") == 0 && strstr(line, "127.0.0.1"), "%s", line);
-    CHECK(dt < 12.0, "took %.1f s with a 2 s etcd deadline", dt);
+    CHECK_OR_RETURN(strcmp(err, "etcd") == 0 && strstr(line, "127.0.0.1"), "%s", line);
+    CHECK_OR_RETURN(dt < 12.0, "took %.1f s with a 2 s etcd deadline", dt);
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    if (argc != 2) {
-        fprintf(
-            stderr,
-            "usage: %s "
-            "form|kill|leave|waiting|failure|finish|etcd-restart|takeover|stall|all-dead|errors\n",
-            argv[0]);
-        return 2;
-    }
-    const char *sc = argv[1];
-    test_etcd e;
-    if (test_etcd_start(&e) != 0) return 1;
-    tp_set s;
-    tp_init(&s, RDZV_PARTICIPANT, e.endpoint, "job");
-    int rc;
-    if (!strcmp(sc, "form"))
-        rc = sc_form(&s);
-    else if (!strcmp(sc, "kill"))
-        rc = sc_kill(&s);
-    else if (!strcmp(sc, "leave"))
-        rc = sc_leave(&s);
-    else if (!strcmp(sc, "waiting"))
-        rc = sc_waiting(&s);
-    else if (!strcmp(sc, "failure"))
-        rc = sc_failure(&s);
-    else if (!strcmp(sc, "finish"))
-        rc = sc_finish(&s);
-    else if (!strcmp(sc, "etcd-restart"))
-        rc = sc_etcd_restart(&s, &e);
-    else if (!strcmp(sc, "takeover"))
-        rc = sc_takeover(&s);
-    else if (!strcmp(sc, "stall"))
-        rc = sc_stall(&s);
-    else if (!strcmp(sc, "all-dead"))
-        rc = sc_all_dead(&s);
-    else if (!strcmp(sc, "errors"))
-        rc = sc_errors(&s);
-    else {
-        fprintf(stderr, "unknown scenario %s\n", sc);
-        rc = 2;
-    }
-    if (rc == 0 && tp_check_agreement(&s) != 0) {
-        fprintf(stderr, "FAIL: participants disagree on a round's membership\n");
-        rc = 1;
-    }
-    tp_free(&s);
-    test_etcd_stop(&e);
-    if (rc == 0) printf("ok %s\n", sc);
-    return rc;
+    static const tp_scenario scenarios[] = {
+        {"form", sc_form},
+        {"kill", sc_kill},
+        {"leave", sc_leave},
+        {"waiting", sc_waiting},
+        {"failure", sc_failure},
+        {"finish", sc_finish},
+        {"etcd-restart", sc_etcd_restart},
+        {"takeover", sc_takeover},
+        {"stall", sc_stall},
+        {"all-dead", sc_all_dead},
+        {"errors", sc_errors},
+    };
+    return tp_main(argc, argv, RDZV_PARTICIPANT, scenarios,
+                   sizeof(scenarios) / sizeof(scenarios[0]));
 }

@@ -71,21 +71,26 @@ static void test_assignment(void)
     expect("first then cap", mb, 6, MB, 2 * MB, 4, want_mb);
 }
 
-static model *make_model(void)
+/* An MLP on 16x16 inputs, 10 classes; NULL after saying why. */
+static model *mlp16(int batch, int nhidden, const int *hidden)
 {
+    model_config cfg = {
+        .kind = MODEL_MLP, .in_c = 1, .in_h = 16, .in_w = 16, .classes = 10, .nhidden = nhidden};
+    for (int i = 0; i < nhidden; i++)
+        cfg.hidden[i] = hidden[i];
     model *m;
     char msg[256];
-    model_config cfg = {.kind = MODEL_MLP,
-                        .in_c = 1,
-                        .in_h = 16,
-                        .in_w = 16,
-                        .classes = 10,
-                        .nhidden = 2,
-                        .hidden = {300, 200}};
-    if (model_create(&cfg, 4, &m, msg) != 0) {
+    if (model_create(&cfg, batch, &m, msg) != 0) {
         fprintf(stderr, "model_create: %s\n", msg);
-        exit(1);
+        return NULL;
     }
+    return m;
+}
+
+static model *make_model(void)
+{
+    model *m = mlp16(4, 2, (const int[]){300, 200});
+    if (!m) exit(1);
     model_init_params(m, 3);
     for (int i = 0; i < 4 * 256; i++)
         m->x[i] = (float)((i * 37) % 19) / 19.0f - 0.5f;
@@ -253,19 +258,9 @@ static void mark_all(ddp_reducer *r, const int *order, int n)
 
 static void test_reduce_order(int overlap, const char *order_name, int forward)
 {
-    model *m;
-    char msg[256];
-    model_config cfg = {.kind = MODEL_MLP,
-                        .in_c = 1,
-                        .in_h = 16,
-                        .in_w = 16,
-                        .classes = 10,
-                        .nhidden = 4,
-                        .hidden = {64, 64, 64, 64}};
-    if (model_create(&cfg, 2, &m, msg) != 0) {
-        CHECK(0, "model_create: %s", msg);
-        return;
-    }
+    model *m = mlp16(2, 4, (const int[]){64, 64, 64, 64});
+    CHECK(m != NULL, "model_create");
+    if (!m) return;
     rec_comm *rc = calloc(1, sizeof(*rc));
     comm_base_init(&rc->base, &rec_ops, 0, 2);
     rc->fail_at = -1;
@@ -318,5 +313,5 @@ int main(void)
         test_reduce_order(overlap, "backward", 0);
         test_reduce_order(overlap, "forward", 1);
     }
-    return test_finish("test_buckets");
+    return check_finish("test_buckets");
 }

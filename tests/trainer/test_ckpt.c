@@ -208,5 +208,5 @@ int main(void)
 {
     test_round_trip_and_fallbacks();
     test_disk_full();
-    return test_finish("test_ckpt");
+    return check_finish("test_ckpt");
 }

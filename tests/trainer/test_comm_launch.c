@@ -16,11 +16,11 @@
 #include <time.h>
 #include <unistd.h>
 
-int64_t tc_now_ms(void)
+void tc_sleep_ms(int ms)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
 }
 
 int tc_group_init(tc_group *g, int world, const char *etcd, const char *job, int64_t round)
@@ -39,6 +39,20 @@ int tc_group_init(tc_group *g, int world, const char *etcd, const char *job, int
     if (m == MAP_FAILED) return -1;
     g->shared = m;
     memset(m, 0, sizeof(tc_shared));
+    return 0;
+}
+
+int tc_group_open(tc_group *g, int world, const char *etcd, const char *prefix)
+{
+    static int groups; /* this process's groups so far: one job each */
+    char job[64];
+    snprintf(job, sizeof(job), "%s-%d-%d", prefix, (int)getpid(), ++groups);
+    if (tc_group_init(g, world, etcd, job, 1) != 0) return -1;
+    if (etcd && tc_make_round_current(etcd, job, 1) != 0) {
+        fprintf(stderr, "cannot make round 1 of %s current\n", job);
+        tc_group_free(g);
+        return -1;
+    }
     return 0;
 }
 
@@ -99,6 +113,17 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
     return err;
 }
 
+comm *tc_connect_or_exit(tc_group *g, int rank)
+{
+    comm *c = NULL;
+    comm_err err = tc_connect(g, rank, &c);
+    if (err != COMM_OK) {
+        fprintf(stderr, "rank %d: connect: %s\n", rank, comm_strerror(err));
+        _exit(2);
+    }
+    return c;
+}
+
 int tc_spawn(tc_group *g, tc_rank_fn fn, void *arg)
 {
     int w = g->world;
@@ -123,7 +148,7 @@ int tc_spawn(tc_group *g, tc_rank_fn fn, void *arg)
 
 int tc_wait(tc_group *g, int timeout_s, int *status)
 {
-    int64_t deadline = tc_now_ms() + (int64_t)timeout_s * 1000;
+    int64_t deadline = mono_now_ms() + (int64_t)timeout_s * 1000;
     int left = 0, bad = 0;
     for (int r = 0; r < g->world; r++)
         if (g->pids[r] > 0) left++;
@@ -132,13 +157,13 @@ int tc_wait(tc_group *g, int timeout_s, int *status)
         pid_t pid = waitpid(-1, &st, WNOHANG);
         if (pid < 0 && errno != EINTR) break;
         if (pid <= 0) {
-            if (tc_now_ms() > deadline) {
+            if (mono_now_ms() > deadline) {
                 for (int r = 0; r < g->world; r++)
                     if (g->pids[r] > 0) {
                         fprintf(stderr, "rank %d did not finish in %d s: killed\n", r, timeout_s);
                         kill(g->pids[r], SIGKILL);
                     }
-                deadline = tc_now_ms() + 10000;
+                deadline = mono_now_ms() + 10000;
                 timeout_s = 10;
             }
             struct timespec ts = {0, 5 * 1000000};
@@ -149,11 +174,22 @@ int tc_wait(tc_group *g, int timeout_s, int *status)
             if (g->pids[r] != pid) continue;
             if (status) status[r] = st;
             if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
+            if (WIFEXITED(st) && WEXITSTATUS(st) != 0) /* its checks said why */
+                fprintf(stderr, "rank %d exited with %d\n", r, WEXITSTATUS(st));
             g->pids[r] = 0;
             left--;
         }
     }
     return bad;
+}
+
+int tc_run(tc_group *g, tc_rank_fn fn, void *arg, int timeout_s)
+{
+    if (tc_spawn(g, fn, arg) != 0) {
+        fprintf(stderr, "spawn failed\n");
+        return g->world;
+    }
+    return tc_wait(g, timeout_s, NULL);
 }
 
 int tc_make_round_current(const char *etcd, const char *job, int64_t round)

@@ -9,6 +9,7 @@
  * compared bit for bit. Failure cases kill (SIGKILL), stop (SIGSTOP) or
  * abort a rank and check what every other rank gets back, and how soon.
  */
+#include "check.h"
 #include "test_comm_launch.h"
 #include "test_etcd.h"
 
@@ -24,72 +25,17 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 static const char *g_etcd; /* NULL: socketpairs */
-static int g_jobs;         /* one job id per group, so ring keys never collide */
-static int g_failed;
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            g_failed++;                                                                            \
-        }                                                                                          \
-    } while (0)
-
-/* In a rank: report and leave with 1. */
-#define RANK_CHECK(cond, ...)                                                                      \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL rank %d %s:%d: %s: ", rank, __FILE__, __LINE__, #cond);          \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            return 1;                                                                              \
-        }                                                                                          \
-    } while (0)
-
-static void sleep_ms(int ms)
+/* A group for one case: a job of its own, round 1 current. A group that
+ * cannot be made counts as a failed check. */
+static int group_open(tc_group *g, int world)
 {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
-
-static int group_init(tc_group *g, int world)
-{
-    char job[64];
-    snprintf(job, sizeof(job), "comm-test-%d-%d", (int)getpid(), ++g_jobs);
-    if (tc_group_init(g, world, g_etcd, job, 1) != 0) return -1;
-    if (g_etcd && tc_make_round_current(g_etcd, job, 1) != 0) {
-        fprintf(stderr, "cannot make round 1 of %s current\n", job);
-        return -1;
-    }
-    return 0;
-}
-
-/* Runs fn on `world` ranks; 0 when every rank exited 0. */
-static int run_group(tc_group *g, tc_rank_fn fn, void *arg, int timeout_s)
-{
-    if (tc_spawn(g, fn, arg) != 0) {
-        fprintf(stderr, "spawn failed\n");
-        return -1;
-    }
-    return tc_wait(g, timeout_s, NULL);
-}
-
-static comm *connect_or_die(tc_group *g, int rank)
-{
-    comm *c = NULL;
-    comm_err err = tc_connect(g, rank, &c);
-    if (err != COMM_OK) {
-        fprintf(stderr, "rank %d: connect: %s\n", rank, comm_strerror(err));
-        _exit(2);
-    }
-    return c;
+    if (tc_group_open(g, world, g_etcd, "comm-test") == 0) return 0;
+    check_fail();
+    return -1;
 }
 
 /* ---- allreduce ---- */
@@ -107,13 +53,13 @@ typedef struct sizes {
 static int rank_allreduce(tc_group *g, int rank, void *arg)
 {
     const sizes *sz = arg;
-    comm *c = connect_or_die(g, rank);
-    RANK_CHECK(comm_rank(c) == rank && comm_world_size(c) == g->world, "identity");
+    comm *c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(comm_rank(c) == rank && comm_world_size(c) == g->world, "identity");
     int rc = 0;
     for (int k = 0; k < sz->count && rc == 0; k++) {
         size_t n = sz->n[k];
         float *buf = malloc(n * sizeof(float));
-        RANK_CHECK(buf, "malloc");
+        CHECK_OR_RETURN(buf, "malloc");
         for (size_t i = 0; i < n; i++)
             buf[i] = input(rank, i);
         comm_err err = comm_allreduce_sum_f32(c, buf, n);
@@ -147,14 +93,11 @@ static void test_allreduce(void)
         int with_big = w == 2 || w == 5;
         sizes sz = {with_big ? big : small, with_big ? 9 : 8};
         tc_group g;
-        if (group_init(&g, w) != 0) {
-            g_failed++;
-            continue;
-        }
+        if (group_open(&g, w) != 0) continue;
         /* Odd world sizes also run with the smallest chunk: many chunks per
          * step, uneven last chunks. */
         if (w % 2) g.chunk_bytes = 4096;
-        int bad = run_group(&g, rank_allreduce, &sz, 240);
+        int bad = tc_run(&g, rank_allreduce, &sz, 240);
         CHECK(bad == 0, "allreduce W=%d: %d ranks failed", w, bad);
         tc_group_free(&g);
     }
@@ -171,19 +114,19 @@ static int rank_broadcast(tc_group *g, int rank, void *arg)
 {
     (void)arg;
     static const size_t bytes[] = {1, 4099, (1u << 20) + 7};
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     for (int root = 0; root < g->world; root++)
         for (int k = 0; k < 3; k++) {
             size_t n = bytes[k];
             unsigned char *buf = malloc(n);
-            RANK_CHECK(buf, "malloc");
+            CHECK_OR_RETURN(buf, "malloc");
             for (size_t i = 0; i < n; i++)
                 buf[i] = rank == root ? pattern(i, root) : 0xee;
             comm_err err = comm_broadcast(c, buf, n, root);
-            RANK_CHECK(err == COMM_OK, "broadcast root %d: %s", root, comm_last_error(c));
+            CHECK_OR_RETURN(err == COMM_OK, "broadcast root %d: %s", root, comm_last_error(c));
             for (size_t i = 0; i < n; i++)
-                RANK_CHECK(buf[i] == pattern(i, root), "broadcast root %d bytes %zu: [%zu]", root,
-                           n, i);
+                CHECK_OR_RETURN(buf[i] == pattern(i, root), "broadcast root %d bytes %zu: [%zu]",
+                                root, n, i);
             free(buf);
         }
     comm_free(c);
@@ -194,29 +137,29 @@ static int rank_allgather(tc_group *g, int rank, void *arg)
 {
     (void)arg;
     static const size_t bytes[] = {1, 13, 100003};
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     for (int k = 0; k < 3; k++) {
         size_t n = bytes[k];
         unsigned char *send = malloc(n), *recv = malloc(n * (size_t)g->world);
-        RANK_CHECK(send && recv, "malloc");
+        CHECK_OR_RETURN(send && recv, "malloc");
         for (size_t i = 0; i < n; i++)
             send[i] = pattern(i, rank);
         memset(recv, 0xee, n * (size_t)g->world);
         comm_err err = comm_allgather(c, send, n, recv);
-        RANK_CHECK(err == COMM_OK, "allgather: %s", comm_last_error(c));
+        CHECK_OR_RETURN(err == COMM_OK, "allgather: %s", comm_last_error(c));
         for (int r = 0; r < g->world; r++)
             for (size_t i = 0; i < n; i++)
-                RANK_CHECK(recv[(size_t)r * n + i] == pattern(i, r),
-                           "allgather bytes %zu: block %d [%zu]", n, r, i);
+                CHECK_OR_RETURN(recv[(size_t)r * n + i] == pattern(i, r),
+                                "allgather bytes %zu: block %d [%zu]", n, r, i);
         /* In place: the rank's own block already sits in recv. */
         memset(recv, 0xee, n * (size_t)g->world);
         memcpy(recv + (size_t)rank * n, send, n);
         err = comm_allgather(c, recv + (size_t)rank * n, n, recv);
-        RANK_CHECK(err == COMM_OK, "allgather in place: %s", comm_last_error(c));
+        CHECK_OR_RETURN(err == COMM_OK, "allgather in place: %s", comm_last_error(c));
         for (int r = 0; r < g->world; r++)
             for (size_t i = 0; i < n; i++)
-                RANK_CHECK(recv[(size_t)r * n + i] == pattern(i, r),
-                           "allgather in place bytes %zu: block %d [%zu]", n, r, i);
+                CHECK_OR_RETURN(recv[(size_t)r * n + i] == pattern(i, r),
+                                "allgather in place bytes %zu: block %d [%zu]", n, r, i);
         free(send);
         free(recv);
     }
@@ -227,18 +170,18 @@ static int rank_allgather(tc_group *g, int rank, void *arg)
 static int rank_barrier(tc_group *g, int rank, void *arg)
 {
     (void)arg;
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     for (int round = 1; round <= 3; round++) {
         /* Late arrivals: no rank may leave the barrier before the last came. */
-        sleep_ms(((rank + round) % g->world) * 60);
+        tc_sleep_ms(((rank + round) % g->world) * 60);
         __atomic_add_fetch(&g->shared->arrived, 1, __ATOMIC_SEQ_CST);
         comm_err err = comm_barrier(c);
-        RANK_CHECK(err == COMM_OK, "barrier: %s", comm_last_error(c));
+        CHECK_OR_RETURN(err == COMM_OK, "barrier: %s", comm_last_error(c));
         int seen = __atomic_load_n(&g->shared->arrived, __ATOMIC_SEQ_CST);
-        RANK_CHECK(seen >= round * g->world, "left barrier %d with %d arrivals", round, seen);
+        CHECK_OR_RETURN(seen >= round * g->world, "left barrier %d with %d arrivals", round, seen);
         /* Keep the next round's arrivals from being counted early. */
         err = comm_barrier(c);
-        RANK_CHECK(err == COMM_OK, "barrier: %s", comm_last_error(c));
+        CHECK_OR_RETURN(err == COMM_OK, "barrier: %s", comm_last_error(c));
     }
     comm_free(c);
     return 0;
@@ -248,26 +191,18 @@ static void test_small_collectives(void)
 {
     for (int w = 2; w <= 5; w++) {
         tc_group g;
-        if (group_init(&g, w) != 0) {
-            g_failed++;
-            continue;
-        }
+        if (group_open(&g, w) != 0) continue;
         if (w == 3) g.chunk_bytes = 4096;
-        CHECK(run_group(&g, rank_broadcast, NULL, 120) == 0, "broadcast W=%d", w);
+        CHECK(tc_run(&g, rank_broadcast, NULL, 120) == 0, "broadcast W=%d", w);
         tc_group_free(&g);
-        if (group_init(&g, w) != 0) {
-            g_failed++;
-            continue;
-        }
-        CHECK(run_group(&g, rank_allgather, NULL, 120) == 0, "allgather W=%d", w);
+        if (group_open(&g, w) != 0) continue;
+        CHECK(tc_run(&g, rank_allgather, NULL, 120) == 0, "allgather W=%d", w);
         tc_group_free(&g);
     }
     tc_group g;
-    if (group_init(&g, 4) == 0) {
-        CHECK(run_group(&g, rank_barrier, NULL, 120) == 0, "barrier W=4");
+    if (group_open(&g, 4) == 0) {
+        CHECK(tc_run(&g, rank_barrier, NULL, 120) == 0, "barrier W=4");
         tc_group_free(&g);
-    } else {
-        g_failed++;
     }
 }
 
@@ -276,16 +211,17 @@ static void test_small_collectives(void)
 static int rank_mismatch(tc_group *g, int rank, void *arg)
 {
     (void)arg;
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     float buf[11] = {0};
-    int64_t t0 = tc_now_ms();
+    int64_t t0 = mono_now_ms();
     comm_err err = comm_allreduce_sum_f32(c, buf, rank == 0 ? 10 : 11);
-    RANK_CHECK(err == COMM_ERR_PEER, "mismatched sizes gave %s", comm_strerror(err));
-    RANK_CHECK(tc_now_ms() - t0 < 5000, "mismatch took %lld ms", (long long)(tc_now_ms() - t0));
+    CHECK_OR_RETURN(err == COMM_ERR_PEER, "mismatched sizes gave %s", comm_strerror(err));
+    CHECK_OR_RETURN(mono_now_ms() - t0 < 5000, "mismatch took %lld ms",
+                    (long long)(mono_now_ms() - t0));
     /* The first to see the other's header says why; its neighbour sees it go. */
     if (strstr(comm_last_error(c), "mismatch")) g->shared->progress[rank] = 1;
     /* Dead now: the next call fails at once, with the same error. */
-    RANK_CHECK(comm_barrier(c) == COMM_ERR_PEER, "dead comm still works");
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_ERR_PEER, "dead comm still works");
     comm_free(c);
     return 0;
 }
@@ -293,11 +229,8 @@ static int rank_mismatch(tc_group *g, int rank, void *arg)
 static void test_mismatch(void)
 {
     tc_group g;
-    if (group_init(&g, 2) != 0) {
-        g_failed++;
-        return;
-    }
-    CHECK(run_group(&g, rank_mismatch, NULL, 60) == 0, "mismatched allreduce");
+    if (group_open(&g, 2) != 0) return;
+    CHECK(tc_run(&g, rank_mismatch, NULL, 60) == 0, "mismatched allreduce");
     CHECK(g.shared->progress[0] + g.shared->progress[1] >= 1, "no rank named the mismatch");
     tc_group_free(&g);
 }
@@ -312,9 +245,9 @@ typedef struct loop_arg {
 static int rank_loop(tc_group *g, int rank, void *arg)
 {
     const loop_arg *la = arg;
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     float *buf = malloc(la->n * sizeof(float));
-    RANK_CHECK(buf, "malloc");
+    CHECK_OR_RETURN(buf, "malloc");
     for (size_t i = 0; i < la->n; i++)
         buf[i] = 1.0f;
     comm_err err;
@@ -323,14 +256,15 @@ static int rank_loop(tc_group *g, int rank, void *arg)
         if (err != COMM_OK) break;
         g->shared->progress[rank]++;
     }
-    g->shared->t_err[rank] = tc_now_ms();
+    g->shared->t_err[rank] = mono_now_ms();
     g->shared->err[rank] = err;
     fprintf(stderr, "rank %d: %s\n", rank, comm_last_error(c));
-    int64_t t0 = tc_now_ms();
+    int64_t t0 = mono_now_ms();
     comm_err again = comm_allreduce_sum_f32(c, buf, la->n);
-    RANK_CHECK(again == err, "a dead comm answered %s, first %s", comm_strerror(again),
-               comm_strerror(err));
-    RANK_CHECK(tc_now_ms() - t0 < 100, "a dead comm took %lld ms", (long long)(tc_now_ms() - t0));
+    CHECK_OR_RETURN(again == err, "a dead comm answered %s, first %s", comm_strerror(again),
+                    comm_strerror(err));
+    CHECK_OR_RETURN(mono_now_ms() - t0 < 100, "a dead comm took %lld ms",
+                    (long long)(mono_now_ms() - t0));
     free(buf);
     comm_free(c);
     return 0;
@@ -339,14 +273,14 @@ static int rank_loop(tc_group *g, int rank, void *arg)
 /* Waits until every rank finished at least one allreduce. */
 static int wait_progress(tc_group *g, int timeout_s)
 {
-    int64_t deadline = tc_now_ms() + (int64_t)timeout_s * 1000;
+    int64_t deadline = mono_now_ms() + (int64_t)timeout_s * 1000;
     for (;;) {
         int all = 1;
         for (int r = 0; r < g->world; r++)
             if (g->shared->progress[r] < 1) all = 0;
         if (all) return 0;
-        if (tc_now_ms() > deadline) return -1;
-        sleep_ms(5);
+        if (mono_now_ms() > deadline) return -1;
+        tc_sleep_ms(5);
     }
 }
 
@@ -354,20 +288,17 @@ static void test_kill(void)
 {
     const int w = 4, victim = 2;
     tc_group g;
-    if (group_init(&g, w) != 0) {
-        g_failed++;
-        return;
-    }
+    if (group_open(&g, w) != 0) return;
     /* Default 30 s deadline: only the closed connection can explain a
      * prompt error. 32 MiB per rank keeps every rank mid-transfer. */
     loop_arg la = {8u << 20};
     if (tc_spawn(&g, rank_loop, &la) != 0) {
-        g_failed++;
+        check_fail();
         return;
     }
     CHECK(wait_progress(&g, 120) == 0, "ranks never finished an allreduce");
-    sleep_ms(20);
-    g.shared->t_event = tc_now_ms();
+    tc_sleep_ms(20);
+    g.shared->t_event = mono_now_ms();
     kill(g.pids[victim], SIGKILL);
     int status[TC_MAX_RANKS] = {0};
     tc_wait(&g, 60, status);
@@ -393,27 +324,24 @@ static void test_stop(void)
 {
     const int w = 3, victim = 1, timeout_ms = 2000;
     tc_group g;
-    if (group_init(&g, w) != 0) {
-        g_failed++;
-        return;
-    }
+    if (group_open(&g, w) != 0) return;
     g.timeout_ms = timeout_ms;
     loop_arg la = {1u << 20};
     if (tc_spawn(&g, rank_loop, &la) != 0) {
-        g_failed++;
+        check_fail();
         return;
     }
     CHECK(wait_progress(&g, 120) == 0, "ranks never finished an allreduce");
-    g.shared->t_event = tc_now_ms();
+    g.shared->t_event = mono_now_ms();
     kill(g.pids[victim], SIGSTOP);
     /* Wait for the others to give up, then end the stopped one. */
-    int64_t deadline = tc_now_ms() + 30000;
+    int64_t deadline = mono_now_ms() + 30000;
     for (;;) {
         int all = 1;
         for (int r = 0; r < w; r++)
             if (r != victim && g.shared->t_err[r] == 0) all = 0;
-        if (all || tc_now_ms() > deadline) break;
-        sleep_ms(10);
+        if (all || mono_now_ms() > deadline) break;
+        tc_sleep_ms(10);
     }
     kill(g.pids[victim], SIGKILL);
     int status[TC_MAX_RANKS] = {0};
@@ -451,7 +379,7 @@ typedef struct abort_arg {
 static void *abort_later(void *p)
 {
     abort_arg *a = p;
-    sleep_ms(a->delay_ms);
+    tc_sleep_ms(a->delay_ms);
     comm_abort(a->c);
     return NULL;
 }
@@ -459,28 +387,28 @@ static void *abort_later(void *p)
 static int rank_abort(tc_group *g, int rank, void *arg)
 {
     (void)arg;
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     float buf[1000] = {0};
     if (rank == 0) {
         /* Rank 1 joins late: rank 0 is stuck in the allreduce when aborted. */
         abort_arg a = {c, 300};
         pthread_t th;
-        RANK_CHECK(pthread_create(&th, NULL, abort_later, &a) == 0, "pthread_create");
-        int64_t t0 = tc_now_ms();
+        CHECK_OR_RETURN(pthread_create(&th, NULL, abort_later, &a) == 0, "pthread_create");
+        int64_t t0 = mono_now_ms();
         comm_err err = comm_allreduce_sum_f32(c, buf, 1000);
-        int64_t dt = tc_now_ms() - t0;
+        int64_t dt = mono_now_ms() - t0;
         pthread_join(th, NULL);
-        RANK_CHECK(err == COMM_ERR_ABORTED, "got %s", comm_strerror(err));
-        RANK_CHECK(dt >= 250 && dt < 5000, "aborted after %lld ms", (long long)dt);
-        RANK_CHECK(comm_barrier(c) == COMM_ERR_ABORTED, "later call after abort");
+        CHECK_OR_RETURN(err == COMM_ERR_ABORTED, "got %s", comm_strerror(err));
+        CHECK_OR_RETURN(dt >= 250 && dt < 5000, "aborted after %lld ms", (long long)dt);
+        CHECK_OR_RETURN(comm_barrier(c) == COMM_ERR_ABORTED, "later call after abort");
     } else {
-        sleep_ms(1500);
+        tc_sleep_ms(1500);
         /* The aborted rank dropped the group: the late one learns at once. */
-        int64_t t0 = tc_now_ms();
+        int64_t t0 = mono_now_ms();
         comm_err err = comm_allreduce_sum_f32(c, buf, 1000);
-        RANK_CHECK(err == COMM_ERR_PEER, "late rank got %s", comm_strerror(err));
-        RANK_CHECK(tc_now_ms() - t0 < 5000, "late rank took %lld ms",
-                   (long long)(tc_now_ms() - t0));
+        CHECK_OR_RETURN(err == COMM_ERR_PEER, "late rank got %s", comm_strerror(err));
+        CHECK_OR_RETURN(mono_now_ms() - t0 < 5000, "late rank took %lld ms",
+                        (long long)(mono_now_ms() - t0));
     }
     comm_free(c);
     return 0;
@@ -489,11 +417,8 @@ static int rank_abort(tc_group *g, int rank, void *arg)
 static void test_abort(void)
 {
     tc_group g;
-    if (group_init(&g, 2) != 0) {
-        g_failed++;
-        return;
-    }
-    CHECK(run_group(&g, rank_abort, NULL, 60) == 0, "abort");
+    if (group_open(&g, 2) != 0) return;
+    CHECK(tc_run(&g, rank_abort, NULL, 60) == 0, "abort");
     tc_group_free(&g);
 }
 
@@ -544,13 +469,13 @@ static int rank_stray(tc_group *g, int rank, void *arg)
         strays[0] = stray_connect(g, &hello, sizeof(hello));
         static const char junk[24] = "GET / HTTP/1.0\r\n\r\n";
         strays[1] = stray_connect(g, junk, sizeof(junk));
-        RANK_CHECK(strays[0] >= 0 && strays[1] >= 0, "stray connections");
+        CHECK_OR_RETURN(strays[0] >= 0 && strays[1] >= 0, "stray connections");
     }
-    comm *c = connect_or_die(g, rank);
+    comm *c = tc_connect_or_exit(g, rank);
     float buf[5] = {1, 2, 3, 4, 5};
     comm_err err = comm_allreduce_sum_f32(c, buf, 5);
-    RANK_CHECK(err == COMM_OK, "allreduce after strays: %s", comm_last_error(c));
-    RANK_CHECK(buf[0] == 2 && buf[4] == 10, "allreduce after strays: wrong sum");
+    CHECK_OR_RETURN(err == COMM_OK, "allreduce after strays: %s", comm_last_error(c));
+    CHECK_OR_RETURN(buf[0] == 2 && buf[4] == 10, "allreduce after strays: wrong sum");
     comm_free(c);
     for (int i = 0; i < 2; i++)
         if (strays[i] >= 0) close(strays[i]);
@@ -561,12 +486,9 @@ static void test_stray(void)
 {
     if (!g_etcd) return;
     tc_group g;
-    if (group_init(&g, 2) != 0) {
-        g_failed++;
-        return;
-    }
+    if (group_open(&g, 2) != 0) return;
     g.timeout_ms = 5000;
-    CHECK(run_group(&g, rank_stray, NULL, 60) == 0, "stray connections at bootstrap");
+    CHECK(tc_run(&g, rank_stray, NULL, 60) == 0, "stray connections at bootstrap");
     tc_group_free(&g);
 }
 
@@ -575,10 +497,7 @@ static void test_fenced(void)
 {
     if (!g_etcd) return;
     tc_group g;
-    if (group_init(&g, 2) != 0) {
-        g_failed++;
-        return;
-    }
+    if (group_open(&g, 2) != 0) return;
     CHECK(tc_make_round_current(g_etcd, g.job, 2) == 0, "epoch 2");
     comm *c = NULL;
     comm_err err = tc_connect(&g, 0, &c);
@@ -633,20 +552,9 @@ int main(int argc, char **argv)
     }
     /* SIGPIPE stays at its default (fatal): the ring must never raise it. */
     signal(SIGPIPE, SIG_DFL);
-    test_etcd etcd;
-    int own_etcd = 0;
-    if (!pairs) {
-        g_etcd = getenv("DUCTILE_TEST_ETCD");
-        if (!g_etcd) {
-            if (test_etcd_start(&etcd) != 0) return 1;
-            own_etcd = 1;
-            g_etcd = etcd.endpoint;
-        }
-    }
-    struct {
-        const char *name;
-        void (*fn)(void);
-    } cases[] = {
+    test_etcd etcd = {0};
+    if (!pairs && !(g_etcd = test_etcd_shared_or_start(&etcd))) return 1;
+    static const check_case cases[] = {
         {"single", test_single},
         {"allreduce", test_allreduce},
         {"small", test_small_collectives},
@@ -657,19 +565,8 @@ int main(int argc, char **argv)
         {"stray", test_stray},
         {"fenced", test_fenced},
     };
-    int n = (int)(sizeof(cases) / sizeof(cases[0]));
-    for (int i = 0; i < n; i++) {
-        int run = first >= argc;
-        for (int a = first; a < argc; a++)
-            if (strcmp(argv[a], cases[i].name) == 0) run = 1;
-        if (!run) continue;
-        int before = g_failed;
-        int64_t t0 = tc_now_ms();
-        cases[i].fn();
-        fprintf(stderr, "%s %s (%s, %.1f s)\n", g_failed == before ? "ok  " : "FAIL", cases[i].name,
-                pairs ? "socketpairs" : "store", (tc_now_ms() - t0) / 1000.0);
-    }
-    if (own_etcd) test_etcd_stop(&etcd);
-    if (g_failed) fprintf(stderr, "%d check(s) failed\n", g_failed);
-    return g_failed ? 1 : 0;
+    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, first,
+                    pairs ? "socketpairs" : "store");
+    test_etcd_stop(&etcd);
+    return check_finish("test_comm_ring");
 }

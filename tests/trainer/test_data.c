@@ -275,5 +275,5 @@ int main(void)
     test_shards();
     test_malformed();
     test_real();
-    return test_finish("test_data");
+    return check_finish("test_data");
 }

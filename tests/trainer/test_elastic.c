@@ -32,19 +32,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 #define DEADLINE_MS 10000
 /* The old trainer aborted a graceful step after 750 ms; this is well past. */
 #define STILL_MS 2000
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
 
 /* ---- a trainer's control channel with a communicator attached ---- */
 
@@ -74,20 +66,21 @@ static comm *pair_comm(int far[2])
     return c;
 }
 
+/* Opens the fixture; one that cannot be made counts as a failed check. */
 static int fx_open(fixture *f, int64_t round)
 {
     memset(f, 0, sizeof(*f));
     f->far[0] = f->far[1] = f->far2[0] = f->far2[1] = -1;
     int ch[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ch) != 0) return -1;
-    f->agent = ch[1];
-    f->c = pair_comm(f->far);
-    f->c2 = pair_comm(f->far2);
-    if (!f->c || !f->c2 || elastic_open(ch[0], round, &f->e) != ELASTIC_OK) {
-        fprintf(stderr, "fixture setup failed\n");
-        return -1;
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ch) == 0) {
+        f->agent = ch[1];
+        f->c = pair_comm(f->far);
+        f->c2 = pair_comm(f->far2);
+        if (f->c && f->c2 && elastic_open(ch[0], round, &f->e) == ELASTIC_OK) return 0;
     }
-    return 0;
+    fprintf(stderr, "fixture setup failed\n");
+    check_fail();
+    return -1;
 }
 
 static void fx_close(fixture *f)
@@ -125,26 +118,21 @@ static void say_round(fixture *f, int64_t round)
     say(f, line);
 }
 
-static int64_t now_ms(void)
-{
-    return tc_now_ms();
-}
-
 /* Waits (until a deadline) for comm_is_aborted(c) to become `want`. */
 static int aborted_within(comm *c, int ms)
 {
-    int64_t deadline = now_ms() + ms;
-    while (!comm_is_aborted(c) && now_ms() < deadline)
-        sleep_ms(5);
+    int64_t deadline = mono_now_ms() + ms;
+    while (!comm_is_aborted(c) && mono_now_ms() < deadline)
+        tc_sleep_ms(5);
     return comm_is_aborted(c);
 }
 
 /* Waits for the thread to have read an `abort` of the current round. */
 static int ending_within(elastic *e, int ms)
 {
-    int64_t deadline = now_ms() + ms;
-    while (!elastic_ending(e) && now_ms() < deadline)
-        sleep_ms(5);
+    int64_t deadline = mono_now_ms() + ms;
+    while (!elastic_ending(e) && mono_now_ms() < deadline)
+        tc_sleep_ms(5);
     return elastic_ending(e);
 }
 
@@ -161,10 +149,7 @@ static int saw_round(elastic *e, int64_t want)
 static void test_graceful_then_round(void)
 {
     fixture f;
-    if (fx_open(&f, 1) != 0) {
-        test_failed++;
-        return;
-    }
+    if (fx_open(&f, 1) != 0) return;
     elastic_attach(f.e, f.c, 1);
     say(&f, "abort 1 graceful\n");
     CHECK(ending_within(f.e, DEADLINE_MS), "abort 1 graceful not seen");
@@ -173,7 +158,7 @@ static void test_graceful_then_round(void)
     CHECK(saw_round(f.e, 2), "round 2 not seen");
     /* The round line was handled under the lock that would abort: no wait. */
     CHECK(!comm_is_aborted(f.c), "round 2 aborted a gracefully ending round");
-    sleep_ms(STILL_MS);
+    tc_sleep_ms(STILL_MS);
     CHECK(!comm_is_aborted(f.c), "a gracefully ending round was aborted after %d ms", STILL_MS);
     CHECK(elastic_ending(f.e), "the round no longer ends");
     say(&f, "abort 1 lost\n");
@@ -185,10 +170,7 @@ static void test_graceful_then_round(void)
 static void test_graceful_then_later_lost(void)
 {
     fixture f;
-    if (fx_open(&f, 1) != 0) {
-        test_failed++;
-        return;
-    }
+    if (fx_open(&f, 1) != 0) return;
     elastic_attach(f.e, f.c, 1);
     say(&f, "abort 1 graceful\n");
     say_round(&f, 2);
@@ -205,10 +187,7 @@ static void test_lost(void)
     const char *lines[] = {"abort 1\n", "abort 1 lost\n"};
     for (int i = 0; i < 2; i++) {
         fixture f;
-        if (fx_open(&f, 1) != 0) {
-            test_failed++;
-            return;
-        }
+        if (fx_open(&f, 1) != 0) return;
         elastic_attach(f.e, f.c, 1);
         say(&f, lines[i]);
         CHECK(aborted_within(f.c, DEADLINE_MS), "'%.12s' did not abort", lines[i]);
@@ -221,10 +200,7 @@ static void test_lost(void)
 static void test_round_without_abort(void)
 {
     fixture f;
-    if (fx_open(&f, 1) != 0) {
-        test_failed++;
-        return;
-    }
+    if (fx_open(&f, 1) != 0) return;
     elastic_attach(f.e, f.c, 1);
     say_round(&f, 2);
     CHECK(saw_round(f.e, 2), "round 2 not seen");
@@ -233,15 +209,23 @@ static void test_round_without_abort(void)
     fx_close(&f);
 }
 
+/* A trainer of round 1 rebuilding into round 2: it has read `round 2` and
+ * has no communicator of round 2 yet. */
+static int fx_open_rebuilding(fixture *f)
+{
+    if (fx_open(f, 1) != 0) return -1;
+    say_round(f, 2);
+    CHECK(saw_round(f->e, 2), "round 2 not seen");
+    elastic_attach(f->e, NULL, 2);
+    return 0;
+}
+
 /* A lost abort of an older round, or an abort for the current round that
  * came before its group formed (as in a rebuild). */
 static void test_rounds_and_attach(void)
 {
     fixture f;
-    if (fx_open(&f, 2) != 0) {
-        test_failed++;
-        return;
-    }
+    if (fx_open(&f, 2) != 0) return;
     elastic_attach(f.e, f.c, 2);
     say(&f, "abort 1 lost\n");     /* old news */
     say(&f, "abort 2 graceful\n"); /* read after it: a sync point */
@@ -250,13 +234,7 @@ static void test_rounds_and_attach(void)
     fx_close(&f);
 
     /* Rebuilding into round 2: the agent already ended it as lost. */
-    if (fx_open(&f, 1) != 0) {
-        test_failed++;
-        return;
-    }
-    say_round(&f, 2);
-    CHECK(saw_round(f.e, 2), "round 2 not seen");
-    elastic_attach(f.e, NULL, 2);
+    if (fx_open_rebuilding(&f) != 0) return;
     say(&f, "abort 2 lost\n");
     CHECK(ending_within(f.e, DEADLINE_MS), "abort 2 not seen");
     elastic_attach(f.e, f.c, 2);
@@ -265,20 +243,14 @@ static void test_rounds_and_attach(void)
 
     /* ... or as graceful, and round 3 is known too: the new group may still
      * agree and finish a step; nothing aborts it. */
-    if (fx_open(&f, 1) != 0) {
-        test_failed++;
-        return;
-    }
-    say_round(&f, 2);
-    CHECK(saw_round(f.e, 2), "round 2 not seen");
-    elastic_attach(f.e, NULL, 2);
+    if (fx_open_rebuilding(&f) != 0) return;
     say(&f, "abort 2 graceful\n");
     CHECK(ending_within(f.e, DEADLINE_MS), "abort 2 not seen");
     say_round(&f, 3);
     CHECK(saw_round(f.e, 3), "round 3 not seen");
     elastic_attach(f.e, f.c, 2);
     CHECK(!comm_is_aborted(f.c), "a comm attached to a gracefully ending round was aborted");
-    sleep_ms(STILL_MS);
+    tc_sleep_ms(STILL_MS);
     CHECK(!comm_is_aborted(f.c), "aborted after %d ms", STILL_MS);
     /* Detached, then round 3's comm: a fresh round, not ending. */
     elastic_attach(f.e, NULL, 2);
@@ -294,10 +266,7 @@ static void test_rounds_and_attach(void)
 static void test_closed(void)
 {
     fixture f;
-    if (fx_open(&f, 1) != 0) {
-        test_failed++;
-        return;
-    }
+    if (fx_open(&f, 1) != 0) return;
     elastic_attach(f.e, f.c, 1);
     close(f.agent);
     f.agent = -1;
@@ -311,10 +280,10 @@ static void test_closed(void)
 static int read_line(int fd, char *line, size_t len)
 {
     size_t n = 0;
-    int64_t deadline = now_ms() + DEADLINE_MS;
+    int64_t deadline = mono_now_ms() + DEADLINE_MS;
     while (n + 1 < len) {
         struct pollfd p = {fd, POLLIN, 0};
-        int left = (int)(deadline - now_ms());
+        int left = (int)(deadline - mono_now_ms());
         if (left <= 0 || poll(&p, 1, left) <= 0) return -1;
         if (read(fd, line + n, 1) != 1) return -1;
         if (line[n++] == '\n') break;
@@ -327,10 +296,7 @@ static int read_line(int fd, char *line, size_t len)
 static void test_reports(void)
 {
     fixture f;
-    if (fx_open(&f, 4) != 0) {
-        test_failed++;
-        return;
-    }
+    if (fx_open(&f, 4) != 0) return;
     char line[CTL_MAX_LINE + 2];
     ctl_msg m;
     elastic_report_step(f.e, 17);
@@ -419,8 +385,7 @@ static int rank_share(tc_group *g, int rank, void *arg)
         setenv("DUCTILE_FAILPOINTS", "ring.collective=3:closed", 1);
     if (a->mode == SHARE_FP_PEER3 && rank == 1)
         setenv("DUCTILE_FAILPOINTS", "ring.collective=3:closed", 1);
-    comm *c = NULL;
-    if (tc_connect(g, rank, &c) != COMM_OK) return 2;
+    comm *c = tc_connect_or_exit(g, rank);
     unsigned char *buf[SHARE_PARTS];
     elastic_part parts[SHARE_PARTS];
     for (int p = 0; p < SHARE_PARTS; p++) {
@@ -478,11 +443,11 @@ static void test_share(void)
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
         tc_group g;
         if (tc_group_init(&g, 3, NULL, "share", 1) != 0) {
-            test_failed++;
+            check_fail();
             return;
         }
         share_arg a = {cases[k].mode, cases[k].root};
-        int bad = tc_spawn(&g, rank_share, &a) != 0 ? 3 : tc_wait(&g, 120, NULL);
+        int bad = tc_run(&g, rank_share, &a, 120);
         CHECK(bad == 0, "share (%s): %d ranks failed", cases[k].name, bad);
         tc_group_free(&g);
     }
@@ -503,10 +468,7 @@ int main(int argc, char **argv)
     /* The ring must never raise SIGPIPE; elastic.c sends with MSG_NOSIGNAL. */
     signal(SIGPIPE, SIG_DFL);
     unsetenv("DUCTILE_FAILPOINTS"); /* only the share cases' ranks set their own */
-    struct {
-        const char *name;
-        void (*fn)(void);
-    } cases[] = {
+    static const check_case cases[] = {
         {"graceful_then_round", test_graceful_then_round},
         {"graceful_then_later_lost", test_graceful_then_later_lost},
         {"lost", test_lost},
@@ -517,17 +479,6 @@ int main(int argc, char **argv)
         {"classify", test_classify},
         {"share", test_share},
     };
-    int n = (int)(sizeof(cases) / sizeof(cases[0]));
-    for (int i = 0; i < n; i++) {
-        int run = argc < 2;
-        for (int a = 1; a < argc; a++)
-            if (strcmp(argv[a], cases[i].name) == 0) run = 1;
-        if (!run) continue;
-        int before = test_failed;
-        int64_t t0 = now_ms();
-        cases[i].fn();
-        fprintf(stderr, "%s %s (%.1f s)\n", test_failed == before ? "ok  " : "FAIL", cases[i].name,
-                (now_ms() - t0) / 1000.0);
-    }
-    return test_finish("test_elastic");
+    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    return check_finish("test_elastic");
 }

@@ -338,5 +338,5 @@ int main(void)
     test_model(&cnn, "cnn");
     test_ready_order(&mlp);
     test_ready_order(&cnn);
-    return test_finish("test_layers");
+    return check_finish("test_layers");
 }

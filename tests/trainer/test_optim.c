@@ -99,5 +99,5 @@ int main(void)
     test_sgd();
     test_adamw();
     test_schedule();
-    return test_finish("test_optim");
+    return check_finish("test_optim");
 }

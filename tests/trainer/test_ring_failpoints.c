@@ -26,23 +26,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 static const char *g_etcd;
-static int g_jobs;
-
-/* A group with its own job in the store, round 1 current. */
-static int group_init(tc_group *g, int world, const char *etcd)
+/* A group for one case: a job of its own, round 1 current. A group that
+ * cannot be made counts as a failed check. */
+static int group_open(tc_group *g, int world, const char *etcd)
 {
-    char job[64];
-    snprintf(job, sizeof(job), "fp-test-%d-%d", (int)getpid(), ++g_jobs);
-    if (tc_group_init(g, world, etcd, job, 1) != 0) return -1;
-    if (etcd && tc_make_round_current(etcd, job, 1) != 0) {
-        fprintf(stderr, "cannot make round 1 of %s current\n", job);
-        return -1;
-    }
-    return 0;
+    if (tc_group_open(g, world, etcd, "fp-test") == 0) return 0;
+    check_fail();
+    return -1;
 }
 
 /* ---- ring.connect ---- */
@@ -86,13 +79,10 @@ static void test_connect(void)
 {
     const int w = 3;
     tc_group g, again;
-    if (group_init(&g, w, g_etcd) != 0 || group_init(&again, w, g_etcd) != 0) {
-        test_failed++;
-        return;
-    }
+    if (group_open(&g, w, g_etcd) != 0 || group_open(&again, w, g_etcd) != 0) return;
     g.timeout_ms = 3000; /* how long the others wait for the rank that never comes */
     connect_arg a = {&again};
-    int bad = tc_spawn(&g, rank_connect, &a) != 0 ? w : tc_wait(&g, 120, NULL);
+    int bad = tc_run(&g, rank_connect, &a, 120);
     CHECK(bad == 0, "%d ranks failed", bad);
     /* The others wait for it and time out; one that reached a neighbour
      * which had already given up may find its port closed instead. */
@@ -113,12 +103,8 @@ static int rank_collective(tc_group *g, int rank, void *arg)
 {
     (void)arg;
     if (rank == FP_RANK) setenv("DUCTILE_FAILPOINTS", "ring.collective=3:closed", 1);
-    comm *c = NULL;
-    comm_err err = tc_connect(g, rank, &c);
-    if (err != COMM_OK) {
-        fprintf(stderr, "rank %d: connect: %s\n", rank, comm_strerror(err));
-        return 2;
-    }
+    comm *c = tc_connect_or_exit(g, rank);
+    comm_err err;
     enum { N = 1 << 16 };
     static float buf[N];
     for (;;) {
@@ -129,7 +115,7 @@ static int rank_collective(tc_group *g, int rank, void *arg)
         g->shared->progress[rank]++;
     }
     g->shared->err[rank] = err;
-    g->shared->t_err[rank] = tc_now_ms();
+    g->shared->t_err[rank] = mono_now_ms();
     fprintf(stderr, "rank %d: %s\n", rank, comm_last_error(c));
     int rc = 0;
     if (comm_barrier(c) != err) {
@@ -148,13 +134,10 @@ static void test_collective(const char *etcd)
 {
     const int w = 3;
     tc_group g;
-    if (group_init(&g, w, etcd) != 0) {
-        test_failed++;
-        return;
-    }
+    if (group_open(&g, w, etcd) != 0) return;
     g.timeout_ms = LATE_MS;
-    int64_t t0 = tc_now_ms();
-    int bad = tc_spawn(&g, rank_collective, NULL) != 0 ? w : tc_wait(&g, 120, NULL);
+    int64_t t0 = mono_now_ms();
+    int bad = tc_run(&g, rank_collective, NULL, 120);
     CHECK(bad == 0, "%d ranks failed", bad);
     for (int r = 0; r < w; r++) {
         CHECK(g.shared->err[r] == COMM_ERR_PEER, "rank %d got %s", r,
@@ -183,33 +166,13 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_DFL); /* the ring must never raise it */
     unsetenv("DUCTILE_FAILPOINTS");
     test_etcd etcd;
-    int own_etcd = 0;
-    g_etcd = getenv("DUCTILE_TEST_ETCD");
-    if (!g_etcd) {
-        if (test_etcd_start(&etcd) != 0) return 1;
-        own_etcd = 1;
-        g_etcd = etcd.endpoint;
-    }
-    struct {
-        const char *name;
-        void (*fn)(void);
-    } cases[] = {
+    if (!(g_etcd = test_etcd_shared_or_start(&etcd))) return 1;
+    static const check_case cases[] = {
         {"connect", test_connect},
         {"collective_pairs", test_collective_pairs},
         {"collective_store", test_collective_store},
     };
-    int n = (int)(sizeof(cases) / sizeof(cases[0]));
-    for (int i = 0; i < n; i++) {
-        int run = argc < 2;
-        for (int a = 1; a < argc; a++)
-            if (strcmp(argv[a], cases[i].name) == 0) run = 1;
-        if (!run) continue;
-        int before = test_failed;
-        int64_t t0 = tc_now_ms();
-        cases[i].fn();
-        fprintf(stderr, "%s %s (%.1f s)\n", test_failed == before ? "ok  " : "FAIL", cases[i].name,
-                (tc_now_ms() - t0) / 1000.0);
-    }
-    if (own_etcd) test_etcd_stop(&etcd);
-    return test_finish("test_ring_failpoints");
+    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    test_etcd_stop(&etcd);
+    return check_finish("test_ring_failpoints");
 }
