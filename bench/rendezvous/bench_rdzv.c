@@ -17,6 +17,7 @@
  * Times use CLOCK_MONOTONIC stamps printed by the participants themselves,
  * so reading their pipes late does not count.
  */
+#include "ductile/clock.h"
 #include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_rdzv_procs.h"
@@ -46,12 +47,12 @@ static etcd_client *connect_etcd(const char *endpoint)
 static double baseline_puts(etcd_client *c, int n)
 {
     char key[64];
-    double t0 = tp_now();
+    double t0 = mono_now_s();
     for (int i = 0; i < n; i++) {
         snprintf(key, sizeof(key), "/bench/put/%d", i);
         if (etcd_put(c, key, "x", 1, 0, NULL) != ETCD_OK) return -1;
     }
-    return tp_now() - t0;
+    return mono_now_s() - t0;
 }
 
 /* Seconds from a put to its event arriving on a watch (median of 5). */
@@ -63,13 +64,13 @@ static double baseline_notify(etcd_client *c, const char *endpoint)
     int n = 0;
     if (!wc || etcd_watch_open(wc, "/bench/notify", 0, 0, &w) != ETCD_OK) goto out;
     for (int i = 0; i < 5; i++) {
-        double t0 = tp_now();
+        double t0 = mono_now_s();
         if (etcd_put(c, "/bench/notify", "x", 1, 0, NULL) != ETCD_OK) break;
         etcd_event *evs = NULL;
         size_t k = 0;
         if (etcd_watch_next(w, 5000, &evs, &k) != ETCD_OK || k == 0) break;
         etcd_events_free(evs, k);
-        best[n++] = tp_now() - t0;
+        best[n++] = mono_now_s() - t0;
     }
 out:
     if (w) etcd_watch_close(w);
@@ -121,7 +122,7 @@ static int form(const char *endpoint, int n, double *secs, double *after_reg)
     tp_init(&s, RDZV_PARTICIPANT, endpoint, job);
     int *ids = calloc((size_t)n, sizeof(int));
     if (!ids) return -1;
-    double t0 = tp_now();
+    double t0 = mono_now_s();
     for (int i = 0; i < n; i++) {
         snprintf(node, sizeof(node), "n%03d", i);
         ids[i] = tp_spawn(&s, node, opts);
@@ -155,7 +156,7 @@ static int change(const char *endpoint, int do_kill, double *noticed, double *se
     int rc = -1;
     *secs = *noticed = -1;
     if (last_line(&s, ids, N, "FROZEN", 60000) > 0) {
-        double t0 = tp_now();
+        double t0 = mono_now_s();
         if (do_kill)
             tp_kill(&s, ids[3], SIGKILL);
         else

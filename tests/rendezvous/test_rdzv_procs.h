@@ -71,13 +71,6 @@ int tp_check_agreement(tp_set *s);
 /* Kills and reaps every process, frees everything. */
 void tp_free(tp_set *s);
 
-/* mono_now_s() (clock.h) under the name bench/rendezvous/bench_rdzv.c
- * still calls; the tests use mono_now_s(). */
-static inline double tp_now(void)
-{
-    return mono_now_s();
-}
-
 typedef struct tp_scenario {
     const char *name;
     int (*fn)(tp_set *s); /* 0, or 1 after saying what failed */
