@@ -13,6 +13,7 @@
  */
 #include "agent.h"
 #include "http.h"
+#include "master.h"
 #include "options.h"
 #include "standalone.h"
 #include "workers.h"
@@ -22,20 +23,15 @@
 #include "ductile/log.h"
 #include "ductile/rdzv.h"
 
-#include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -69,11 +65,9 @@ typedef struct agent {
     int failure_reported;
     int64_t restarts;
     int64_t changes[RDZV_CAUSE_COUNT];
-    char why[400]; /* why the next round happens, for its "frozen" line */
-    int mw_fd;     /* MASTER_PORT wait for round mw_round: its result pipe, or -1 */
-    int64_t mw_round;
-    atomic_int mw_threads; /* wait threads still running (a forgotten one ends by itself) */
-    int64_t started;       /* newest round taken: an older or equal FROZEN is stale */
+    char why[400];       /* why the next round happens, for its "frozen" line */
+    agent_master master; /* MASTER_PORT: the wait of a node other than rank 0 */
+    int64_t started;     /* newest round taken: an older or equal FROZEN is stale */
     int done;
     int exit_code;
     int signals;
@@ -242,138 +236,6 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
     }
 }
 
-/* MASTER_ADDR is node rank 0's address; MASTER_PORT a free port node rank 0
- * picks and publishes in the round store, which the others wait for. The
- * wait runs on a thread of its own, so the loop goes on serving signals,
- * reaping and output meanwhile; the thread owns a copy of everything it
- * uses and answers through a pipe, so the agent can forget a wait whose
- * round is over without waiting for it. */
-typedef struct master_wait {
-    int fd;            /* write end */
-    atomic_int *alive; /* the agent's count of wait threads still running */
-    int timeout_ms;
-    int64_t round;
-    char job[64];
-    char endpoints[1024];
-    char *cred[5]; /* cacert, cert, key, user, password */
-} master_wait;
-
-static void master_wait_free(master_wait *mw)
-{
-    if (mw->fd >= 0) close(mw->fd);
-    for (int i = 0; i < 5; i++)
-        free(mw->cred[i]);
-    free(mw);
-}
-
-static void *master_wait_main(void *arg)
-{
-    master_wait *mw = arg;
-    rdzv_etcd etcd = {.endpoints = mw->endpoints,
-                      .cacert = mw->cred[0],
-                      .cert = mw->cred[1],
-                      .key = mw->cred[2],
-                      .user = mw->cred[3],
-                      .password = mw->cred[4]};
-    rdzv_store *st = NULL;
-    char line[400];
-    void *v = NULL;
-    size_t len = 0;
-    int port = 0;
-    rdzv_err err = rdzv_store_open(&etcd, mw->job, mw->round, &st);
-    if (err == RDZV_OK) err = rdzv_store_wait(st, "master_port", mw->timeout_ms, &v, &len);
-    if (err == RDZV_OK && agent_parse_int((const char *)v, 1, 65535, &port) != 0)
-        err = RDZV_ERR_PROTOCOL;
-    if (err == RDZV_OK)
-        snprintf(line, sizeof(line), "ok %d\n", port);
-    else
-        snprintf(line, sizeof(line), "%d %s%s%s\n", (int)err, rdzv_strerror(err),
-                 st && rdzv_store_last_error(st)[0] ? ": " : "",
-                 st ? rdzv_store_last_error(st) : "");
-    free(v);
-    rdzv_store_close(st);
-    /* A closed read end (the round is over) just fails the write. */
-    ssize_t ignored = write(mw->fd, line, strlen(line));
-    (void)ignored;
-    atomic_int *alive = mw->alive;
-    master_wait_free(mw);
-    atomic_fetch_sub(alive, 1);
-    return NULL;
-}
-
-static void master_wait_cancel(agent *a)
-{
-    if (a->mw_fd >= 0) close(a->mw_fd);
-    a->mw_fd = -1;
-}
-
-/* Starts waiting for round r's MASTER_PORT; 0 on success. */
-static int master_wait_start(agent *a, const rdzv_round *r)
-{
-    master_wait_cancel(a);
-    master_wait *mw = calloc(1, sizeof(*mw));
-    int p[2] = {-1, -1};
-    if (!mw || pipe2(p, O_CLOEXEC) != 0) {
-        free(mw);
-        return -1;
-    }
-    mw->fd = p[1];
-    mw->round = r->number;
-    /* Bounded by the lease TTL: node rank 0 publishes right after the
-     * freeze, and if it died its lease ends the round (which ends this wait
-     * at once: the store's wait fails when its round is superseded). */
-    mw->timeout_ms = a->o->lease_ttl_s * 1000 + 5000;
-    snprintf(mw->job, sizeof(mw->job), "%s", a->o->job);
-    snprintf(mw->endpoints, sizeof(mw->endpoints), "%s", a->etcd.endpoints);
-    const char *cred[5] = {a->o->cacert, a->o->cert, a->o->key, a->o->user, a->o->password};
-    int bad = 0;
-    for (int i = 0; i < 5; i++)
-        if (cred[i] && !(mw->cred[i] = strdup(cred[i]))) bad = 1;
-    pthread_t th;
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    mw->alive = &a->mw_threads;
-    atomic_fetch_add(&a->mw_threads, 1);
-    if (bad || pthread_create(&th, &at, master_wait_main, mw) != 0) {
-        atomic_fetch_sub(&a->mw_threads, 1);
-        pthread_attr_destroy(&at);
-        close(p[0]);
-        master_wait_free(mw);
-        return -1;
-    }
-    pthread_attr_destroy(&at);
-    a->mw_fd = p[0];
-    a->mw_round = r->number;
-    return 0;
-}
-
-/* Node rank 0: picks a free port and publishes it in the round store. */
-static int master_publish(agent *a, const rdzv_round *r, int *port)
-{
-    rdzv_store *st = NULL;
-    rdzv_err err = rdzv_store_open(&a->etcd, a->o->job, r->number, &st);
-    if (err == RDZV_OK) {
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
-        socklen_t len = sizeof(sa);
-        if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-            getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
-            *port = ntohs(sa.sin_port);
-        if (fd >= 0) close(fd);
-        char val[16];
-        int n = snprintf(val, sizeof(val), "%d", *port);
-        err = rdzv_store_set(st, "master_port", val, (size_t)n);
-    }
-    if (err != RDZV_OK)
-        dlog_warn(&a->lg, "master_port_failed", "round %lld: cannot publish MASTER_PORT: %s%s%s",
-                  (long long)r->number, rdzv_strerror(err),
-                  st && rdzv_store_last_error(st)[0] ? ": " : "",
-                  st ? rdzv_store_last_error(st) : "");
-    rdzv_store_close(st);
-    return err == RDZV_OK ? 0 : -1;
-}
-
 /* Inplace: sends every worker the round, with its rank in it, on its control channel. */
 static void send_round(agent *a, const rdzv_member *me, const char *maddr, int mport,
                        const char *prefix)
@@ -407,7 +269,7 @@ static void launch_round(agent *a, const char *maddr, int mport);
  * rank 0 publishes it; the others wait on a thread) and run the workers. */
 static void start_round(agent *a, rdzv_round *r)
 {
-    master_wait_cancel(a);
+    agent_master_wait_cancel(&a->master);
     rdzv_round_free(&a->round);
     a->round = *r;
     memset(r, 0, sizeof(*r));
@@ -430,7 +292,10 @@ static void start_round(agent *a, rdzv_round *r)
     const rdzv_member *m0 = &rd->members[0]; /* members are sorted by rank */
     int mport = 0;
     if (rd->my_rank == 0) {
-        if (master_publish(a, rd, &mport) != 0) {
+        char msg[AGENT_MSG_MAX];
+        if (agent_master_publish(&a->etcd, a->o->job, rd->number, &mport, msg, sizeof(msg)) != 0) {
+            dlog_warn(&a->lg, "master_port_failed", "round %lld: cannot publish MASTER_PORT: %s",
+                      (long long)rd->number, msg);
             /* etcd failed under us: the round cannot start; others wait for
              * a port that will not come, so end it for everyone. */
             report_failure(a, "node rank 0 could not publish MASTER_PORT", 0);
@@ -440,7 +305,11 @@ static void start_round(agent *a, rdzv_round *r)
         launch_round(a, m0->addr, mport);
         return;
     }
-    if (master_wait_start(a, rd) != 0) {
+    /* Bounded by the lease TTL: node rank 0 publishes right after the
+     * freeze, and if it died its lease ends the round (which ends this wait
+     * at once: the store's wait fails when its round is superseded). */
+    if (agent_master_wait_start(&a->master, &a->etcd, a->o->job, rd->number,
+                                a->o->lease_ttl_s * 1000 + 5000) != 0) {
         report_failure(a, "cannot start waiting for MASTER_PORT", 1);
         a->in_round = 0;
     }
@@ -449,23 +318,20 @@ static void start_round(agent *a, rdzv_round *r)
 /* The MASTER_PORT wait answered: go on with the round if it still stands. */
 static void on_master_wait(agent *a)
 {
-    char line[400];
-    ssize_t n = read(a->mw_fd, line, sizeof(line) - 1);
-    int64_t round = a->mw_round;
-    master_wait_cancel(a);
-    if (!a->in_round || a->round.number != round || a->state != AGENT_RDZV) return;
-    line[n > 0 ? n : 0] = 0;
-    line[strcspn(line, "\n")] = 0;
+    int64_t round = a->master.round;
     int port = 0;
-    if (strncmp(line, "ok ", 3) == 0 && agent_parse_int(line + 3, 1, 65535, &port) == 0) {
+    rdzv_err err = RDZV_OK;
+    char why[AGENT_MSG_MAX];
+    int rc = agent_master_wait_read(&a->master, &port, &err, why, sizeof(why));
+    if (!a->in_round || a->round.number != round || a->state != AGENT_RDZV) return;
+    if (rc == 0) {
         launch_round(a, a->round.members[0].addr, port); /* members are sorted by rank */
         return;
     }
-    const char *why = strchr(line, ' ');
     dlog_warn(&a->lg, "master_port_failed", "round %lld: no MASTER_PORT: %s", (long long)round,
-              why ? why + 1 : "the wait ended without an answer");
+              why);
     /* Superseded: the round's end is on its way as an event. */
-    if (atoi(line) == RDZV_ERR_FENCED) return;
+    if (err == RDZV_ERR_FENCED) return;
     /* Node rank 0 is alive (a dead one ends the round, and this wait with
      * it) but did not publish: a lost peer, counted if it happens again. */
     report_failure(a, "node rank 0 did not publish MASTER_PORT", 0);
@@ -555,7 +421,7 @@ static void describe_end(const rdzv_event *ev, char *out, size_t len)
 static void leave_round(agent *a, int64_t round_number, int graceful)
 {
     a->in_round = 0;
-    master_wait_cancel(a);
+    agent_master_wait_cancel(&a->master);
     if (a->state != AGENT_RUNNING) return;
     if (a->o->inplace) {
         ctl_msg m = {.type = CTL_ABORT, .round = round_number, .graceful = graceful};
@@ -693,7 +559,7 @@ static void begin_shutdown(agent *a, const char *sig)
               (budget - reserve) / 1000.0);
     a->state = AGENT_SHUTDOWN;
     a->in_round = 0;
-    master_wait_cancel(a);
+    agent_master_wait_cancel(&a->master);
     if (a->have_pending) rdzv_round_free(&a->pending);
     a->have_pending = 0;
     ctl_msg m = {.type = CTL_STOP};
@@ -851,7 +717,7 @@ static void run_loop(agent *a)
         pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
         pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
         /* Always slot 2 (fd -1 is ignored by poll). */
-        pfd[n++] = (struct pollfd){.fd = a->mw_fd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = a->master.fd, .events = POLLIN};
         for (int i = 0; a->ws.w && i < a->ws.n; i++) {
             agent_worker *w = &a->ws.w[i];
             int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
@@ -883,7 +749,7 @@ static void run_loop(agent *a)
                 if (a->done) break;
             }
             if (pfd[0].revents) on_signalfd(a);
-            if (pfd[2].revents && a->mw_fd >= 0 && !a->done) on_master_wait(a);
+            if (pfd[2].revents && a->master.fd >= 0 && !a->done) on_master_wait(a);
             if (pfd[1].revents) {
                 rdzv_event ev;
                 rdzv_err err = RDZV_OK;
@@ -919,7 +785,7 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
     a.lg = *lg;
     a.exit_after_stop = -1;
     a.sigfd = sigfd;
-    a.mw_fd = -1;
+    agent_master_init(&a.master);
     curl_global_init(CURL_GLOBAL_DEFAULT);
 
     char msg[RDZV_MSG_MAX] = "";
@@ -991,13 +857,13 @@ out:
             if (!a.ws.w[i].exited && a.ws.w[i].pid > 0) waitpid(a.ws.w[i].pid, NULL, 0);
         agent_workers_free(&a.ws);
     }
-    master_wait_cancel(&a);
+    agent_master_wait_cancel(&a.master);
     if (a.rz) rdzv_close(a.rz);
     agent_http_stop(a.http);
     agent_standalone_stop(&a.sa);
     rdzv_round_free(&a.round);
     if (a.have_pending) rdzv_round_free(&a.pending);
     /* A MASTER_PORT wait still blocked in libcurl: leave curl's globals be. */
-    if (atomic_load(&a.mw_threads) == 0) curl_global_cleanup();
+    if (atomic_load(&a.master.threads) == 0) curl_global_cleanup();
     return a.exit_code;
 }
