@@ -1,11 +1,8 @@
 /* comm_ring.c: the CPU collectives backend, a TCP ring.
  *
  * Each rank keeps two connections: it sends to its right neighbour
- * (rank+1) and receives from its left one (rank-1). Bootstrap goes through
- * the round store: every rank listens on an ephemeral port, publishes
- * "ring/<rank>" = "host:port/nonce", connects to its right neighbour and
- * accepts from its left; the connector must echo the listener's nonce, so a
- * stray connection (another round, another job, a port scanner) is refused.
+ * (rank+1) and receives from its left one (rank-1). This file is the ring
+ * once those connections exist; comm_ring_boot.c makes them.
  *
  * Every collective is a sequence of steps; in step t a rank sends one span
  * of its buffer to the right and receives one span from the left. A step's
@@ -37,22 +34,19 @@
  * Headers are in host byte order: every rank of a job runs the same binary
  * on the same architecture.
  *
- * Failpoints (rendezvous/failpoint.h), for tests of the fault paths:
- * ring.connect (counted per bootstrap of a ring of two or more) with action
- * fail makes the bootstrap fail at once as if the left neighbour never
- * showed up (COMM_ERR_TIMEOUT, nothing published); ring.collective (counted
- * per collective that reaches the ring: world > 1, non-empty) with action
- * closed fails it as a closed connection does (COMM_ERR_PEER, both sockets
- * shut so the neighbours see a closed peer, the comm dead).
+ * Failpoint (ductile/failpoint.h), for tests of the fault paths:
+ * ring.collective (counted per collective that reaches the ring: world > 1,
+ * non-empty) with action closed fails it as a closed connection does
+ * (COMM_ERR_PEER, both sockets shut so the neighbours see a closed peer, the
+ * comm dead). The bootstrap's ring.connect is described in comm_ring_boot.c.
  */
-#include "comm_impl.h"
+#include "comm_ring.h"
 #include "ductile/clock.h"
 #include "ductile/failpoint.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -62,38 +56,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
 #define RING_DEFAULT_TIMEOUT_MS 30000
 #define RING_DEFAULT_CHUNK (256u * 1024u)
 #define RING_MIN_CHUNK 4096u
 #define RING_SOCKBUF (4 * 1024 * 1024)
-#define RING_HELLO_MAGIC 0x474e495254435544ull /* "DUCTRING" */
-#define RING_ACK_MAGIC 0x4b43415254435544ull   /* "DUCTRACK" */
-#define RING_OP_MAGIC 0x4f525444u              /* "DTRO" */
-/* A connection that does not finish its hello within this is dropped. */
-#define RING_HELLO_MS 2000
-
-typedef struct ring {
-    comm base;    /* first: comm.c sees the same pointer */
-    int left_fd;  /* receives from rank-1; closed only by ring_destroy */
-    int right_fd; /* sends to rank+1 */
-    int abort_fd; /* eventfd written by comm_abort() */
-    int timeout_ms;
-    size_t chunk; /* bytes, a multiple of 4 */
-    float *stage; /* one chunk: incoming floats before they are added */
-    uint64_t seq; /* collectives so far */
-} ring;
-
-typedef struct ring_hello {
-    uint64_t magic;
-    uint32_t rank;
-    uint32_t world;
-    uint64_t nonce;
-} ring_hello;
+#define RING_OP_MAGIC 0x4f525444u /* "DTRO" */
 
 typedef struct ring_header {
     uint32_t magic;
@@ -121,7 +91,7 @@ static const char *op_name(uint32_t op)
     return "unknown";
 }
 
-static int ms_left(int64_t deadline)
+int ring_ms_left(int64_t deadline)
 {
     int64_t left = deadline - mono_now_ms();
     if (left < 0) return 0;
@@ -252,12 +222,12 @@ static comm_err ring_fail(ring *g, comm_err err, const char *fmt, ...)
     return comm_fail(&g->base, err, "rank %d: %s", g->base.rank, line);
 }
 
-static int left_rank(const ring *g)
+int ring_left_rank(const ring *g)
 {
     return mod(g->base.rank - 1, g->base.world_size);
 }
 
-static int right_rank(const ring *g)
+int ring_right_rank(const ring *g)
 {
     return mod(g->base.rank + 1, g->base.world_size);
 }
@@ -296,13 +266,13 @@ static comm_err xfer_check_header(xfer *x)
     const ring_header *a = &x->hout, *b = &x->hin;
     if (b->magic != RING_OP_MAGIC)
         return ring_fail(x->g, COMM_ERR_PEER, "garbage from left neighbour (rank %d)",
-                         left_rank(x->g));
+                         ring_left_rank(x->g));
     if (a->op != b->op || a->seq != b->seq || a->size != b->size || a->root != b->root)
         return ring_fail(x->g, COMM_ERR_PEER,
                          "collective mismatch: this rank is in %s #%" PRIu64 " (size %" PRIu64
                          ", root %u), rank %d in %s #%" PRIu64 " (size %" PRIu64 ", root %u)",
-                         op_name(a->op), a->seq, a->size, a->root, left_rank(x->g), op_name(b->op),
-                         b->seq, b->size, b->root);
+                         op_name(a->op), a->seq, a->size, a->root, ring_left_rank(x->g),
+                         op_name(b->op), b->seq, b->size, b->root);
     return COMM_OK;
 }
 
@@ -338,7 +308,7 @@ static comm_err xfer_send(xfer *x, int *moved)
         if (k < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) return COMM_OK;
-            return sock_error(g, errno, right_rank(g), "send to");
+            return sock_error(g, errno, ring_right_rank(g), "send to");
         }
         *moved = 1;
         sent += (size_t)k;
@@ -401,11 +371,11 @@ static comm_err xfer_recv(xfer *x, int *moved)
         if (k < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) return COMM_OK;
-            return sock_error(g, errno, left_rank(g), "receive from");
+            return sock_error(g, errno, ring_left_rank(g), "receive from");
         }
         if (k == 0)
             return ring_fail(g, COMM_ERR_PEER, "left neighbour (rank %d) closed the connection",
-                             left_rank(g));
+                             ring_left_rank(g));
         *moved = 1;
         size_t got = (size_t)k;
         got_all += got;
@@ -441,18 +411,15 @@ static comm_err check_right(ring *g)
     ssize_t k = recv(g->right_fd, &b, 1, MSG_DONTWAIT);
     if (k == 0)
         return ring_fail(g, COMM_ERR_PEER, "right neighbour (rank %d) closed the connection",
-                         right_rank(g));
+                         ring_right_rank(g));
     if (k > 0)
         return ring_fail(g, COMM_ERR_PEER, "unexpected data from right neighbour (rank %d)",
-                         right_rank(g));
+                         ring_right_rank(g));
     if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) return COMM_OK;
-    return sock_error(g, errno, right_rank(g), "connection to");
+    return sock_error(g, errno, ring_right_rank(g), "connection to");
 }
 
-/* 1 when failpoint `name` fires with `action` on this call. Another action
- * never fires (failpoint.h: a typo shows up as a test that fails; the
- * library does not print). */
-static int ring_failpoint(const char *name, const char *action)
+int ring_failpoint(const char *name, const char *action)
 {
     const char *a = failpoint(name);
     return a && strcmp(a, action) == 0;
@@ -464,7 +431,7 @@ static comm_err ring_run(ring *g, const plan *p, uint32_t op, uint64_t size, uin
         return ring_fail(g, COMM_ERR_PEER,
                          "left neighbour (rank %d) closed the connection (failpoint "
                          "ring.collective)",
-                         left_rank(g));
+                         ring_left_rank(g));
     xfer x;
     memset(&x, 0, sizeof(x));
     x.g = g;
@@ -497,7 +464,7 @@ static comm_err ring_run(ring *g, const plan *p, uint32_t op, uint64_t size, uin
             {receiving ? g->left_fd : -1, POLLIN, 0},
             {sending ? g->right_fd : -1, (short)(POLLIN | (can_send ? POLLOUT : 0)), 0},
         };
-        int left = ms_left(deadline);
+        int left = ring_ms_left(deadline);
         if (left == 0)
             return ring_fail(g, COMM_ERR_TIMEOUT,
                              "no progress for %d ms in %s #%" PRIu64 " (waiting for %s%s%s)",
@@ -515,7 +482,7 @@ static comm_err ring_run(ring *g, const plan *p, uint32_t op, uint64_t size, uin
                 int e = 0;
                 socklen_t el = sizeof(e);
                 if (getsockopt(g->right_fd, SOL_SOCKET, SO_ERROR, &e, &el) == 0 && e != 0)
-                    return sock_error(g, e, right_rank(g), "connection to");
+                    return sock_error(g, e, ring_right_rank(g), "connection to");
             }
             err = check_right(g);
             if (err != COMM_OK) return err;
@@ -581,7 +548,7 @@ static void ring_abort(comm *c)
     ring_shutdown(g);
 }
 
-static void ring_destroy(comm *c)
+void ring_destroy(comm *c)
 {
     ring *g = (ring *)c;
     if (g->left_fd >= 0) close(g->left_fd);
@@ -597,7 +564,7 @@ static const comm_ops ring_ops = {
 
 /* ---- construction ---- */
 
-static comm_err ring_new(const comm_config *cfg, ring **out)
+comm_err ring_new(const comm_config *cfg, ring **out)
 {
     *out = NULL;
     if (!cfg || cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size ||
@@ -631,21 +598,19 @@ static int set_nonblock(int fd)
     return fcntl(fd, F_SETFL, fl | O_NONBLOCK);
 }
 
-/* Large kernel buffers keep the pipeline full; set before connect/listen so
- * the TCP window scale is chosen for them. Capped by net.core.[rw]mem_max. */
-static void set_bufs(int fd)
+void ring_set_bufs(int fd)
 {
     int sz = RING_SOCKBUF;
     (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
     (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
 }
 
-static comm_err ring_ready_fds(ring *g)
+comm_err ring_ready_fds(ring *g)
 {
     int one = 1;
     int fds[2] = {g->left_fd, g->right_fd};
     for (int i = 0; i < 2; i++) {
-        set_bufs(fds[i]); /* again: fds from comm_ring_from_fds were made elsewhere */
+        ring_set_bufs(fds[i]); /* again: fds from comm_ring_from_fds were made elsewhere */
         if (set_nonblock(fds[i]) < 0)
             return comm_fail(&g->base, COMM_ERR_SYS, "fcntl: %s", strerror(errno));
         /* Not a TCP socket (a socketpair in tests): no Nagle to switch off. */
@@ -674,298 +639,6 @@ comm_err comm_ring_from_fds(const comm_config *cfg, int left_fd, int right_fd, c
     *out = &g->base;
     return COMM_OK;
 err:
-    ring_destroy(&g->base);
-    return err;
-}
-
-/* ---- bootstrap over TCP ---- */
-
-/* Waits for events on fd until the deadline: 1 ready, 0 timed out, -1 error. */
-static int wait_fd(int fd, short events, int64_t deadline)
-{
-    for (;;) {
-        struct pollfd pfd = {fd, events, 0};
-        int n = poll(&pfd, 1, ms_left(deadline));
-        if (n > 0) return 1;
-        if (n == 0) return 0;
-        if (errno != EINTR) return -1;
-    }
-}
-
-/* Moves exactly len bytes on a non-blocking socket before the deadline:
- * 0 done, else an errno (ETIMEDOUT on the deadline, ECONNRESET on EOF). */
-static int io_all(int fd, void *buf, size_t len, int writing, int64_t deadline)
-{
-    char *p = buf;
-    while (len > 0) {
-        ssize_t k = writing ? send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
-                            : recv(fd, p, len, MSG_DONTWAIT);
-        if (k > 0) {
-            p += k;
-            len -= (size_t)k;
-            continue;
-        }
-        if (k == 0) return ECONNRESET;
-        if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
-        int w = wait_fd(fd, writing ? POLLOUT : POLLIN, deadline);
-        if (w == 0) return ETIMEDOUT;
-        if (w < 0) return errno;
-    }
-    return 0;
-}
-
-static comm_err listen_on(ring *g, const char *host, int *lfd, int *port)
-{
-    struct addrinfo hints = {0}, *ai = NULL;
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    int rc = getaddrinfo(host, "0", &hints, &ai);
-    if (rc != 0)
-        return comm_fail(&g->base, COMM_ERR_ARG, "cannot resolve %s: %s", host, gai_strerror(rc));
-    int fd = -1, last = 0;
-    for (struct addrinfo *a = ai; a; a = a->ai_next) {
-        fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd < 0) {
-            last = errno;
-            continue;
-        }
-        set_bufs(fd);
-        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 16) == 0) break;
-        last = errno;
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(ai);
-    if (fd < 0)
-        return comm_fail(&g->base, COMM_ERR_SYS, "cannot listen on %s: %s", host, strerror(last));
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof(ss);
-    if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0) {
-        close(fd);
-        return comm_fail(&g->base, COMM_ERR_SYS, "getsockname: %s", strerror(errno));
-    }
-    *port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                           : ((struct sockaddr_in *)&ss)->sin_port);
-    *lfd = fd;
-    return COMM_OK;
-}
-
-/* "host:port/nonce" (IPv6 hosts in brackets). */
-static int parse_addr(char *v, char **host, char **port, uint64_t *nonce)
-{
-    char *slash = strrchr(v, '/');
-    if (!slash) return -1;
-    *slash = '\0';
-    char *end;
-    errno = 0;
-    *nonce = strtoull(slash + 1, &end, 16);
-    if (errno || *end || end == slash + 1) return -1;
-    char *colon = strrchr(v, ':');
-    if (!colon || colon == v || !colon[1]) return -1;
-    *colon = '\0';
-    *port = colon + 1;
-    *host = v;
-    size_t hl = strlen(v);
-    if (hl >= 2 && v[0] == '[' && v[hl - 1] == ']') {
-        v[hl - 1] = '\0';
-        *host = v + 1;
-    }
-    return 0;
-}
-
-/* Connects to host:port, retrying refused connections until the deadline. */
-static comm_err connect_to(ring *g, const char *host, const char *port, int64_t deadline, int *out)
-{
-    struct addrinfo hints = {0}, *ai = NULL;
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    int rc = getaddrinfo(host, port, &hints, &ai);
-    if (rc != 0)
-        return comm_fail(&g->base, COMM_ERR_PEER, "cannot resolve right neighbour %s: %s", host,
-                         gai_strerror(rc));
-    int last = 0;
-    for (;;) {
-        for (struct addrinfo *a = ai; a; a = a->ai_next) {
-            int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-            if (fd < 0) {
-                last = errno;
-                continue;
-            }
-            set_bufs(fd);
-            int e = 0;
-            if (connect(fd, a->ai_addr, a->ai_addrlen) < 0) {
-                e = errno;
-                if (e == EINPROGRESS || e == EINTR) {
-                    int w = wait_fd(fd, POLLOUT, deadline);
-                    socklen_t el = sizeof(e);
-                    if (w <= 0)
-                        e = w == 0 ? ETIMEDOUT : errno;
-                    else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el) < 0)
-                        e = errno;
-                }
-            }
-            if (e == 0) {
-                freeaddrinfo(ai);
-                *out = fd;
-                return COMM_OK;
-            }
-            last = e;
-            close(fd);
-        }
-        if (mono_now_ms() >= deadline) break;
-        struct timespec pause = {0, 50 * 1000000};
-        nanosleep(&pause, NULL);
-    }
-    freeaddrinfo(ai);
-    return comm_fail(&g->base, last == ETIMEDOUT ? COMM_ERR_TIMEOUT : COMM_ERR_PEER,
-                     "cannot connect to right neighbour (rank %d) at %s:%s: %s", right_rank(g),
-                     host, port, strerror(last));
-}
-
-/* Accepts the left neighbour: the first connection whose hello names the
- * right rank, world size and this rank's nonce. Others are closed. */
-static comm_err accept_left(ring *g, int lfd, uint64_t nonce, int64_t deadline, int *out)
-{
-    int rejected = 0;
-    for (;;) {
-        int w = wait_fd(lfd, POLLIN, deadline);
-        if (w == 0)
-            return comm_fail(&g->base, COMM_ERR_TIMEOUT,
-                             "left neighbour (rank %d) did not connect (%d stray connections "
-                             "refused)",
-                             left_rank(g), rejected);
-        if (w < 0) return comm_fail(&g->base, COMM_ERR_SYS, "poll: %s", strerror(errno));
-        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED)
-                continue;
-            return comm_fail(&g->base, COMM_ERR_SYS, "accept: %s", strerror(errno));
-        }
-        ring_hello h;
-        int64_t hd = mono_now_ms() + RING_HELLO_MS;
-        int e = io_all(fd, &h, sizeof(h), 0, hd < deadline ? hd : deadline);
-        if (e == 0 && h.magic == RING_HELLO_MAGIC && h.rank == (uint32_t)left_rank(g) &&
-            h.world == (uint32_t)g->base.world_size && h.nonce == nonce) {
-            ring_hello ack = {RING_ACK_MAGIC, (uint32_t)g->base.rank, (uint32_t)g->base.world_size,
-                              nonce};
-            e = io_all(fd, &ack, sizeof(ack), 1, deadline);
-            if (e == 0) {
-                *out = fd;
-                return COMM_OK;
-            }
-        }
-        close(fd);
-        rejected++;
-    }
-}
-
-static comm_err store_error(ring *g, rdzv_store *s, rdzv_err e, const char *what)
-{
-    return comm_fail(&g->base, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE,
-                     "%s: %s (%s)", what, rdzv_strerror(e), rdzv_store_last_error(s));
-}
-
-static comm_err ring_bootstrap(ring *g, const comm_config *cfg)
-{
-    if (ring_failpoint("ring.connect", "fail"))
-        return comm_fail(&g->base, COMM_ERR_TIMEOUT,
-                         "left neighbour (rank %d) did not connect (failpoint ring.connect)",
-                         left_rank(g));
-    const char *host = cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1";
-    int64_t deadline = mono_now_ms() + g->timeout_ms;
-    int lfd = -1, port = 0;
-    void *val = NULL;
-    comm_err err = listen_on(g, host, &lfd, &port);
-    if (err != COMM_OK) return err;
-
-    uint64_t nonce = 0;
-    if (getrandom(&nonce, sizeof(nonce), 0) != (ssize_t)sizeof(nonce)) {
-        err = comm_fail(&g->base, COMM_ERR_SYS, "getrandom: %s", strerror(errno));
-        goto out;
-    }
-    char key[32], mine[320];
-    int v6 = strchr(host, ':') != NULL;
-    snprintf(mine, sizeof(mine), "%s%s%s:%d/%016" PRIx64, v6 ? "[" : "", host, v6 ? "]" : "", port,
-             nonce);
-    snprintf(key, sizeof(key), "ring/%d", g->base.rank);
-    rdzv_err re = rdzv_store_set(cfg->store, key, mine, strlen(mine));
-    if (re != RDZV_OK) {
-        err = store_error(g, cfg->store, re, "publishing the ring address");
-        goto out;
-    }
-
-    size_t len = 0;
-    snprintf(key, sizeof(key), "ring/%d", right_rank(g));
-    re = rdzv_store_wait(cfg->store, key, ms_left(deadline), &val, &len);
-    if (re != RDZV_OK) {
-        err = store_error(g, cfg->store, re, "waiting for the right neighbour's address");
-        goto out;
-    }
-    char *rhost, *rport;
-    uint64_t rnonce;
-    if (strlen(val) != len || parse_addr(val, &rhost, &rport, &rnonce) < 0) {
-        err = comm_fail(&g->base, COMM_ERR_STORE, "malformed ring address for rank %d",
-                        right_rank(g));
-        goto out;
-    }
-
-    /* Connect and say hello first (never waits on the neighbour's code),
-     * then accept from the left, then read the right's answer: no rank
-     * waits on another in a cycle. */
-    err = connect_to(g, rhost, rport, deadline, &g->right_fd);
-    if (err != COMM_OK) goto out;
-    ring_hello hello = {RING_HELLO_MAGIC, (uint32_t)g->base.rank, (uint32_t)g->base.world_size,
-                        rnonce};
-    int e = io_all(g->right_fd, &hello, sizeof(hello), 1, deadline);
-    if (e != 0) {
-        err = comm_fail(&g->base, e == ETIMEDOUT ? COMM_ERR_TIMEOUT : COMM_ERR_PEER,
-                        "hello to right neighbour (rank %d): %s", right_rank(g), strerror(e));
-        goto out;
-    }
-    err = accept_left(g, lfd, nonce, deadline, &g->left_fd);
-    if (err != COMM_OK) goto out;
-    ring_hello ack;
-    e = io_all(g->right_fd, &ack, sizeof(ack), 0, deadline);
-    if (e != 0) {
-        err = comm_fail(&g->base, e == ETIMEDOUT ? COMM_ERR_TIMEOUT : COMM_ERR_PEER,
-                        "no answer from right neighbour (rank %d): %s", right_rank(g), strerror(e));
-        goto out;
-    }
-    if (ack.magic != RING_ACK_MAGIC || ack.rank != (uint32_t)right_rank(g) ||
-        ack.world != (uint32_t)g->base.world_size || ack.nonce != rnonce) {
-        err = comm_fail(&g->base, COMM_ERR_PEER, "right neighbour (rank %d) refused the ring",
-                        right_rank(g));
-        goto out;
-    }
-    err = ring_ready_fds(g);
-out:
-    free(val);
-    close(lfd);
-    return err;
-}
-
-comm_err comm_ring_init(const comm_config *cfg, comm **out)
-{
-    if (!out) return COMM_ERR_ARG;
-    *out = NULL;
-    ring *g = NULL;
-    comm_err err = ring_new(cfg, &g);
-    if (err != COMM_OK) return comm_init_failed(cfg, err, NULL);
-    if (cfg->world_size > 1) {
-        if (!cfg->store) {
-            err = COMM_ERR_ARG;
-            goto err;
-        }
-        err = ring_bootstrap(g, cfg);
-        if (err != COMM_OK) goto err;
-    }
-    *out = &g->base;
-    return COMM_OK;
-err:
-    comm_init_failed(cfg, err, g->base.last_error);
     ring_destroy(&g->base);
     return err;
 }
