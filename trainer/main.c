@@ -229,7 +229,7 @@ static int step_samples(const trainer *t)
     return total;
 }
 
-/* Failpoint train.step (rendezvous/failpoint.h), at the start of every
+/* Failpoint train.step (ductile/failpoint.h), at the start of every
  * optimizer step: sleep:MS makes this rank's step MS ms slower (a slow step,
  * which a graceful rebuild must wait for), fail makes it fail here, a
  * first-hand failure. Another action is a typo in a test: said, ignored. */

@@ -4,7 +4,7 @@
 This script plays ductile-agent for two real trainers: it gives each one end
 of a socketpair as DUCTILE_CONTROL_FD, makes round N the job's current round
 in a real etcd (run under with-etcd), sends `round` and `abort` lines, and
-reads what the trainers report (agent/control.h). Failpoints
+reads what the trainers report (include/ductile/control.h). Failpoints
 (DUCTILE_FAILPOINTS) break one trainer at a chosen call, so every case is
 the same whatever the timing; waits are deadlines for something to happen:
 
