@@ -3,7 +3,7 @@
  *   test_ring_failpoints [CASE...]
  *
  * One real process per rank, as in test_comm_ring. ring.connect=N:fail
- * (DUCTILE_FAILPOINTS, rendezvous/failpoint.h) makes a rank's Nth bootstrap
+ * (DUCTILE_FAILPOINTS, ductile/failpoint.h) makes a rank's Nth bootstrap
  * fail as if its left neighbour never showed up: COMM_ERR_TIMEOUT there,
  * and its peers, which never see its address or its connection, fail too;
  * the next bootstrap is unaffected. ring.collective=N:closed makes a
