@@ -431,7 +431,16 @@ static void leave_round(agent *a, int64_t round_number, int graceful)
     } else {
         a->state = AGENT_STOPPING;
         a->exit_after_stop = -1;
-        stop_workers(a, a->o->stop_grace_ms);
+        /* Graceful: every member is alive, so the step in flight finishes
+         * however long it takes and is saved (`stop`, then SIGTERM), within
+         * the budget a SIGTERM gives; a step cut there is redone, never
+         * counted twice. Lost: the collectives fail at once anyway. */
+        if (graceful) {
+            ctl_msg m = {.type = CTL_STOP};
+            for (int i = 0; i < a->ws.n; i++)
+                if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+        }
+        stop_workers(a, graceful ? a->o->shutdown_timeout_ms : a->o->stop_grace_ms);
         if (!workers_alive(a)) on_workers_gone(a);
     }
 }

@@ -82,7 +82,8 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_SHUTDOWN_TIMEOUT] = {"shutdown-timeout", "DUCTILE_SHUTDOWN_TIMEOUT", "SECONDS", "20",
                               "on SIGTERM/SIGINT: stop workers, leave and exit within this"},
     [OPT_STOP_GRACE] = {"stop-grace", "DUCTILE_STOP_GRACE", "SECONDS", "5",
-                        "between SIGTERM and SIGKILL when stopping workers for a new round"},
+                        "between SIGTERM and SIGKILL when stopping workers for a new round (a "
+                        "graceful change gives them --shutdown-timeout to finish the step)"},
     [OPT_REBUILD] = {"rebuild", "DUCTILE_REBUILD", "restart|inplace", "restart",
                      "restart: relaunch workers each round; inplace: keep them, send "
                      "rounds on DUCTILE_CONTROL_FD"},

@@ -623,7 +623,7 @@ SCENARIOS = collections.OrderedDict([
 CHAOS = collections.OrderedDict([("chaos", (sc_chaos, ("inplace", "restart")))])
 CHAOS_EPOCHS = 40
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
-        "etcd_pause:inplace"]
+        "scale_up:restart", "etcd_pause:inplace"]
 
 
 class Env:
