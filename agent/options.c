@@ -8,6 +8,8 @@
  */
 #include "options.h"
 
+#include "ductile/control.h" /* ctl_int: one integer parser */
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <ifaddrs.h>
@@ -139,11 +141,8 @@ void agent_early_error(const char *fmt, ...)
 
 int agent_parse_int(const char *s, long min, long max, int *out)
 {
-    if (!s || !*s) return -1;
-    char *end = NULL;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < min || v > max) return -1;
+    int64_t v;
+    if (ctl_int(s, min, max, &v) != 0) return -1;
     *out = (int)v;
     return 0;
 }

@@ -9,7 +9,6 @@
  */
 #include "group.h"
 
-#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,14 +20,12 @@ static int env_int(const char *name, long long lo, long long hi, long long dflt,
                    char *msg)
 {
     const char *v = getenv(name);
-    char *end;
+    int64_t x;
     if (!v) {
         *out = dflt;
         return 0;
     }
-    errno = 0;
-    long long x = strtoll(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi) {
+    if (ctl_int(v, lo, hi, &x) != 0) {
         snprintf(msg, GROUP_MSG_MAX, "environment %s='%s' is not an integer in %lld..%lld", name, v,
                  lo, hi);
         return -1;

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ductile/control.h" /* ctl_int: one integer parser */
 #include "ductile/optim.h"
 
 static const struct option long_opts[] = {
@@ -109,10 +110,8 @@ static int bad_value(const dlog *lg, const char *name, const char *v, const char
 static int parse_int(const dlog *lg, const char *name, const char *v, long long lo, long long hi,
                      long long *out)
 {
-    char *end;
-    errno = 0;
-    long long x = strtoll(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi) {
+    int64_t x;
+    if (ctl_int(v, lo, hi, &x) != 0) {
         char want[96];
         snprintf(want, sizeof(want), "an integer in %lld..%lld", lo, hi);
         return bad_value(lg, name, v, want);
