@@ -94,6 +94,13 @@ static int workers_alive(const agent *a)
     return a->ws.w ? a->ws.alive : 0;
 }
 
+/* One control message to every live worker. */
+static void send_all(agent *a, const ctl_msg *m)
+{
+    for (int i = 0; i < a->ws.n; i++)
+        if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], m);
+}
+
 /* SIGTERM to every worker, SIGKILL after grace_ms. */
 static void stop_workers(agent *a, int grace_ms)
 {
@@ -424,9 +431,7 @@ static void leave_round(agent *a, int64_t round_number, int graceful)
     agent_master_wait_cancel(&a->master);
     if (a->state != AGENT_RUNNING) return;
     if (a->o->inplace) {
-        ctl_msg m = {.type = CTL_ABORT, .round = round_number, .graceful = graceful};
-        for (int i = 0; i < a->ws.n; i++)
-            if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+        send_all(a, &(ctl_msg){.type = CTL_ABORT, .round = round_number, .graceful = graceful});
         a->state = AGENT_RDZV;
     } else {
         a->state = AGENT_STOPPING;
@@ -435,11 +440,7 @@ static void leave_round(agent *a, int64_t round_number, int graceful)
          * however long it takes and is saved (`stop`, then SIGTERM), within
          * the budget a SIGTERM gives; a step cut there is redone, never
          * counted twice. Lost: the collectives fail at once anyway. */
-        if (graceful) {
-            ctl_msg m = {.type = CTL_STOP};
-            for (int i = 0; i < a->ws.n; i++)
-                if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
-        }
+        if (graceful) send_all(a, &(ctl_msg){.type = CTL_STOP});
         stop_workers(a, graceful ? a->o->shutdown_timeout_ms : a->o->stop_grace_ms);
         if (!workers_alive(a)) on_workers_gone(a);
     }
@@ -571,9 +572,7 @@ static void begin_shutdown(agent *a, const char *sig)
     agent_master_wait_cancel(&a->master);
     if (a->have_pending) rdzv_round_free(&a->pending);
     a->have_pending = 0;
-    ctl_msg m = {.type = CTL_STOP};
-    for (int i = 0; i < a->ws.n; i++)
-        if (!a->ws.w[i].exited) agent_ctl_send(&a->ws.w[i], &m);
+    send_all(a, &(ctl_msg){.type = CTL_STOP});
     stop_workers(a, budget - reserve);
     if (!workers_alive(a)) on_workers_gone(a);
 }
@@ -593,13 +592,12 @@ static void on_reaped(agent *a, pid_t pid, int status)
     if (!a->ws.w) return;
     agent_worker *w = agent_workers_reaped(&a->ws, pid, status);
     if (!w) return;
-    char how[96];
+    char how[96], reason[300];
     agent_worker_describe(w, how, sizeof(how));
+    snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
     int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     if (a->state == AGENT_RUNNING || (a->state == AGENT_RDZV && a->o->inplace)) {
         if (!ok) {
-            char reason[300];
-            snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
             int lost = WIFEXITED(status) && WEXITSTATUS(status) == CTL_EXIT_PEER_LOST;
             if (lost)
                 snprintf(reason, sizeof(reason), "worker rank %d lost a peer (exit status %d)",
@@ -636,13 +634,11 @@ static void on_reaped(agent *a, pid_t pid, int status)
         /* It crashed on its own while the round was ending for another
          * reason (its peers saw the crash first and reported a lost peer):
          * still one counted failure (report_failure reports once a round). */
-        char reason[300];
-        snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
         dlog_warn(&a->lg, "worker_failed", "round %lld: %s while stopping",
                   (long long)a->round.number, reason);
         report_failure(a, reason, 1);
     } else if (a->state == AGENT_SHUTDOWN || a->state == AGENT_STOPPING) {
-        dlog_info(&a->lg, "worker_stopped", "worker rank %d %s", w->rank, how);
+        dlog_info(&a->lg, "worker_stopped", "%s", reason);
     }
     if (workers_alive(a) == 0 && !a->done) on_workers_gone(a);
 }
