@@ -118,6 +118,18 @@ comm_err comm_allreduce_sum_f32(comm *c, float *buf, size_t n)
     return comm_leave(c, c->ops->allreduce_sum_f32(c, buf, n));
 }
 
+comm_err comm_allreduce_sum_f32_after(comm *c, float *buf, size_t n, void *event)
+{
+    if (!event) return comm_allreduce_sum_f32(c, buf, n);
+    if (!c || (!buf && n > 0) || !c->ops->wait_event) return COMM_ERR_ARG;
+    comm_err err = comm_enter(c);
+    if (err != COMM_OK) return err;
+    if (n == 0) return COMM_OK;
+    err = comm_leave(c, c->ops->wait_event(c, event));
+    if (err != COMM_OK) return err;
+    return comm_leave(c, c->ops->allreduce_sum_f32(c, buf, n));
+}
+
 comm_err comm_broadcast(comm *c, void *buf, size_t bytes, int root)
 {
     if (!c || (!buf && bytes > 0) || root < 0 || root >= c->world_size) return COMM_ERR_ARG;

@@ -18,6 +18,11 @@ typedef struct comm_ops {
     comm_err (*broadcast)(comm *c, void *buf, size_t bytes, int root);
     comm_err (*allgather)(comm *c, const void *send, size_t bytes, void *recv);
     comm_err (*barrier)(comm *c);
+    /* The next collective starts once `event` (a backend's device event)
+     * has happened, with no host round trip; NULL: a backend without
+     * device streams (the ring), where comm_allreduce_sum_f32_after with an
+     * event is an invalid argument. */
+    comm_err (*wait_event)(comm *c, void *event);
     /* Called from any thread after the abort flag is set: wake calls in flight. */
     void (*abort)(comm *c);
     /* Releases the backend's resources and the allocation itself. */

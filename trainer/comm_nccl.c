@@ -2,7 +2,9 @@
  *
  * Rank 0 makes the NCCL unique id and publishes it in the round store
  * ("nccl/id", hex); every rank reads it and joins with a non-blocking
- * ncclCommInitRankConfig. Buffers are device memory.
+ * ncclCommInitRankConfig. The id wait and the init have a deadline each
+ * (--comm-timeout-ms), and the init gives up at once when the caller's
+ * cancel hook says the round being built already ended.
  *
  * The idea that keeps NCCL from hanging a process: the communicator is
  * non-blocking, and the calling thread never waits inside NCCL or CUDA. It
@@ -12,6 +14,19 @@
  * completion it calls ncclCommAbort, which tears the communicator down with
  * the kernels in flight, and the comm is dead. Only the calling thread
  * touches the NCCL communicator, so comm_abort() just sets the flag.
+ *
+ * Buffers: device memory goes to NCCL as it is; host memory (the state
+ * sync's claims, parameters and optimizer state, evaluation counts) is
+ * staged here, chunk by chunk, through a pinned bounce buffer and a device
+ * buffer on the comm's own stream, so callers need not know the backend.
+ * Pinned, not pageable: a pageable device-to-host copy blocks the calling
+ * thread inside CUDA, where neither the abort flag nor the deadline is seen.
+ *
+ * Whose failure: an error the communicator reports asynchronously
+ * (ncclRemoteError, and the ncclSystemError or ncclInternalError a dying
+ * peer's socket turns into) is a peer's, COMM_ERR_PEER, as a closed socket
+ * is on the ring; an error a call returns at once (an invalid argument, a
+ * CUDA error) is this process's own.
  *
  * Knowingly simple: the deadline covers a whole collective, not "no
  * progress" as on the ring (NCCL does not report progress); polling sleeps
@@ -30,12 +45,15 @@
 
 #define NCCL_DEFAULT_TIMEOUT_MS 30000
 #define NCCL_POLL_NS 50000
+#define NCCL_STAGE_BYTES ((size_t)4 << 20) /* host-buffer staging chunk */
 
 typedef struct nccl_comm {
     comm base; /* first: comm.c sees the same pointer */
     ncclComm_t nc;
     cudaStream_t stream;
-    float *dev_one; /* barrier's one-float allreduce */
+    float *dev_one;   /* barrier's one-float allreduce */
+    char *host_stage; /* pinned, NCCL_STAGE_BYTES */
+    char *dev_stage;  /* device, NCCL_STAGE_BYTES */
     int device;
     int timeout_ms;
     int broken; /* aborted or failed: destroy must abort, not finalize */
@@ -47,17 +65,23 @@ static void pause_briefly(void)
     nanosleep(&ts, NULL);
 }
 
+/* Tears the communicator down with whatever is in flight. */
+static void nccl_break(nccl_comm *g)
+{
+    if (g->nc && !g->broken) {
+        g->broken = 1;
+        ncclCommAbort(g->nc); /* its result changes nothing: the comm is gone */
+        g->nc = NULL;
+    }
+}
+
 static comm_err nccl_fail(nccl_comm *g, comm_err err, const char *what, ncclResult_t r)
 {
     const char *detail = g->nc ? ncclGetLastError(g->nc) : "";
     comm_err out =
         comm_fail(&g->base, err, "rank %d: %s: %s%s%s", g->base.rank, what, ncclGetErrorString(r),
                   detail && *detail ? ": " : "", detail ? detail : "");
-    if (g->nc && !g->broken) {
-        g->broken = 1;
-        ncclCommAbort(g->nc);
-        g->nc = NULL;
-    }
+    nccl_break(g);
     return out;
 }
 
@@ -65,26 +89,44 @@ static comm_err cuda_fail(nccl_comm *g, const char *what, cudaError_t e)
 {
     comm_err out = comm_fail(&g->base, COMM_ERR_CUDA, "rank %d: %s: %s", g->base.rank, what,
                              cudaGetErrorString(e));
-    if (g->nc && !g->broken) {
-        g->broken = 1;
-        ncclCommAbort(g->nc);
-        g->nc = NULL;
-    }
+    nccl_break(g);
     return out;
 }
 
-/* Waits for the communicator to leave ncclInProgress (init, finalize, or
- * a call on a non-blocking comm), watching the abort flag and deadline. */
-static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline)
+/* An asynchronous error is the network's or a peer's (see the top). */
+static comm_err async_kind(ncclResult_t st)
+{
+    return st == ncclRemoteError || st == ncclSystemError || st == ncclInternalError
+               ? COMM_ERR_PEER
+               : COMM_ERR_NCCL;
+}
+
+/* The communicator's state: COMM_OK when settled, COMM_ERR_TIMEOUT (not an
+ * error: still in progress) while ncclInProgress, else the failure. */
+static comm_err nccl_poll(nccl_comm *g, const char *what, int *settled)
+{
+    ncclResult_t st = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(g->nc, &st);
+    *settled = 0;
+    if (r != ncclSuccess) return nccl_fail(g, COMM_ERR_NCCL, "ncclCommGetAsyncError", r);
+    if (st == ncclInProgress) return COMM_OK;
+    if (st != ncclSuccess) return nccl_fail(g, async_kind(st), what, st);
+    *settled = 1;
+    return COMM_OK;
+}
+
+/* Waits for the communicator to leave ncclInProgress (init, or a call on a
+ * non-blocking comm), watching the abort flag, the cancel hook and the
+ * deadline. */
+static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline,
+                            const comm_config *cfg)
 {
     for (;;) {
-        ncclResult_t st = ncclSuccess;
-        ncclResult_t r = ncclCommGetAsyncError(g->nc, &st);
-        if (r != ncclSuccess) return nccl_fail(g, COMM_ERR_NCCL, what, r);
-        if (st == ncclSuccess) return COMM_OK;
-        if (st != ncclInProgress)
-            return nccl_fail(g, st == ncclRemoteError ? COMM_ERR_PEER : COMM_ERR_NCCL, what, st);
-        if (comm_is_aborted(&g->base)) return nccl_fail(g, COMM_ERR_ABORTED, what, ncclInProgress);
+        int settled;
+        comm_err err = nccl_poll(g, what, &settled);
+        if (err != COMM_OK || settled) return err;
+        if (comm_is_aborted(&g->base) || (cfg && cfg->cancelled && cfg->cancelled(cfg->cancel_ctx)))
+            return nccl_fail(g, COMM_ERR_ABORTED, what, ncclInProgress);
         if (mono_now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclInProgress);
         pause_briefly();
     }
@@ -95,17 +137,15 @@ static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
 {
     int64_t deadline = mono_now_ms() + g->timeout_ms;
     if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(g, COMM_ERR_NCCL, what, r);
-    comm_err err = nccl_settle(g, what, deadline);
+    comm_err err = nccl_settle(g, what, deadline, NULL);
     if (err != COMM_OK) return err;
     for (;;) {
         cudaError_t e = cudaStreamQuery(g->stream);
         if (e == cudaSuccess) return COMM_OK;
         if (e != cudaErrorNotReady) return cuda_fail(g, what, e);
-        ncclResult_t st = ncclSuccess;
-        r = ncclCommGetAsyncError(g->nc, &st);
-        if (r != ncclSuccess) return nccl_fail(g, COMM_ERR_NCCL, what, r);
-        if (st != ncclSuccess && st != ncclInProgress)
-            return nccl_fail(g, st == ncclRemoteError ? COMM_ERR_PEER : COMM_ERR_NCCL, what, st);
+        int settled;
+        err = nccl_poll(g, what, &settled);
+        if (err != COMM_OK) return err;
         if (comm_is_aborted(&g->base)) return nccl_fail(g, COMM_ERR_ABORTED, what, ncclSuccess);
         if (mono_now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclSuccess);
         pause_briefly();
@@ -119,13 +159,56 @@ static comm_err nccl_enter(nccl_comm *g)
     return COMM_OK;
 }
 
+/* 1 when p is memory NCCL can take (device or managed). */
+static int on_device(const void *p)
+{
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError(); /* pageable memory on older runtimes: not sticky */
+        return 0;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+/* Copies a staged chunk between the bounce buffers on the comm's stream. */
+static comm_err stage_copy(nccl_comm *g, int to_device, size_t off, size_t bytes)
+{
+    cudaError_t e =
+        to_device ? cudaMemcpyAsync(g->dev_stage + off, g->host_stage + off, bytes,
+                                    cudaMemcpyHostToDevice, g->stream)
+                  : cudaMemcpyAsync(g->host_stage + off, g->dev_stage + off, bytes,
+                                    cudaMemcpyDeviceToHost, g->stream);
+    if (e != cudaSuccess)
+        return cuda_fail(g, to_device ? "staging host memory: cudaMemcpyAsync to the device"
+                                      : "staging host memory: cudaMemcpyAsync to the host",
+                         e);
+    return COMM_OK;
+}
+
 static comm_err nccl_allreduce(comm *c, float *buf, size_t n)
 {
     nccl_comm *g = (nccl_comm *)c;
     comm_err err = nccl_enter(g);
     if (err != COMM_OK) return err;
-    ncclResult_t r = ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, g->nc, g->stream);
-    return nccl_finish(g, "ncclAllReduce", r);
+    if (on_device(buf)) {
+        ncclResult_t r = ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, g->nc, g->stream);
+        return nccl_finish(g, "ncclAllReduce", r);
+    }
+    size_t per = NCCL_STAGE_BYTES / sizeof(float);
+    for (size_t off = 0; off < n && err == COMM_OK; off += per) {
+        size_t k = n - off < per ? n - off : per;
+        memcpy(g->host_stage, buf + off, k * sizeof(float));
+        if ((err = stage_copy(g, 1, 0, k * sizeof(float))) != COMM_OK) break;
+        ncclResult_t r =
+            ncclAllReduce(g->dev_stage, g->dev_stage, k, ncclFloat, ncclSum, g->nc, g->stream);
+        if (r != ncclSuccess && r != ncclInProgress)
+            return nccl_fail(g, COMM_ERR_NCCL, "ncclAllReduce (staged)", r);
+        if ((err = stage_copy(g, 0, 0, k * sizeof(float))) != COMM_OK ||
+            (err = nccl_finish(g, "ncclAllReduce (staged)", ncclSuccess)) != COMM_OK)
+            break;
+        memcpy(buf + off, g->host_stage, k * sizeof(float));
+    }
+    return err;
 }
 
 static comm_err nccl_broadcast(comm *c, void *buf, size_t bytes, int root)
@@ -133,8 +216,26 @@ static comm_err nccl_broadcast(comm *c, void *buf, size_t bytes, int root)
     nccl_comm *g = (nccl_comm *)c;
     comm_err err = nccl_enter(g);
     if (err != COMM_OK) return err;
-    ncclResult_t r = ncclBroadcast(buf, buf, bytes, ncclUint8, root, g->nc, g->stream);
-    return nccl_finish(g, "ncclBroadcast", r);
+    if (on_device(buf)) {
+        ncclResult_t r = ncclBroadcast(buf, buf, bytes, ncclUint8, root, g->nc, g->stream);
+        return nccl_finish(g, "ncclBroadcast", r);
+    }
+    int sender = g->base.rank == root;
+    for (size_t off = 0; off < bytes && err == COMM_OK; off += NCCL_STAGE_BYTES) {
+        size_t k = bytes - off < NCCL_STAGE_BYTES ? bytes - off : NCCL_STAGE_BYTES;
+        if (sender) {
+            memcpy(g->host_stage, (char *)buf + off, k);
+            if ((err = stage_copy(g, 1, 0, k)) != COMM_OK) break;
+        }
+        ncclResult_t r =
+            ncclBroadcast(g->dev_stage, g->dev_stage, k, ncclUint8, root, g->nc, g->stream);
+        if (r != ncclSuccess && r != ncclInProgress)
+            return nccl_fail(g, COMM_ERR_NCCL, "ncclBroadcast (staged)", r);
+        if (!sender && (err = stage_copy(g, 0, 0, k)) != COMM_OK) break;
+        if ((err = nccl_finish(g, "ncclBroadcast (staged)", ncclSuccess)) != COMM_OK) break;
+        if (!sender) memcpy((char *)buf + off, g->host_stage, k);
+    }
+    return err;
 }
 
 static comm_err nccl_allgather(comm *c, const void *send, size_t bytes, void *recv)
@@ -142,8 +243,32 @@ static comm_err nccl_allgather(comm *c, const void *send, size_t bytes, void *re
     nccl_comm *g = (nccl_comm *)c;
     comm_err err = nccl_enter(g);
     if (err != COMM_OK) return err;
-    ncclResult_t r = ncclAllGather(send, recv, bytes, ncclUint8, g->nc, g->stream);
-    return nccl_finish(g, "ncclAllGather", r);
+    int sdev = on_device(send), rdev = on_device(recv);
+    if (sdev && rdev) {
+        ncclResult_t r = ncclAllGather(send, recv, bytes, ncclUint8, g->nc, g->stream);
+        return nccl_finish(g, "ncclAllGather", r);
+    }
+    if (sdev || rdev)
+        return comm_fail(c, COMM_ERR_ARG, "rank %d: allgather: send and recv must both be host "
+                         "or both device memory", c->rank);
+    /* Chunks of `per` bytes from every rank, gathered in place in the stage. */
+    size_t world = (size_t)c->world_size, per = NCCL_STAGE_BYTES / world;
+    size_t mine = (size_t)c->rank;
+    for (size_t off = 0; off < bytes && err == COMM_OK; off += per) {
+        size_t k = bytes - off < per ? bytes - off : per;
+        memcpy(g->host_stage + mine * k, (const char *)send + off, k);
+        if ((err = stage_copy(g, 1, mine * k, k)) != COMM_OK) break;
+        ncclResult_t r =
+            ncclAllGather(g->dev_stage + mine * k, g->dev_stage, k, ncclUint8, g->nc, g->stream);
+        if (r != ncclSuccess && r != ncclInProgress)
+            return nccl_fail(g, COMM_ERR_NCCL, "ncclAllGather (staged)", r);
+        if ((err = stage_copy(g, 0, 0, world * k)) != COMM_OK ||
+            (err = nccl_finish(g, "ncclAllGather (staged)", ncclSuccess)) != COMM_OK)
+            break;
+        for (size_t i = 0; i < world; i++)
+            memcpy((char *)recv + i * bytes + off, g->host_stage + i * k, k);
+    }
+    return err;
 }
 
 static comm_err nccl_barrier(comm *c)
@@ -155,21 +280,37 @@ static comm_err nccl_barrier(comm *c)
     return nccl_finish(g, "barrier", r);
 }
 
+/* The next collective's stream waits for the caller's event on the device. */
+static comm_err nccl_wait_event(comm *c, void *event)
+{
+    nccl_comm *g = (nccl_comm *)c;
+    comm_err err = nccl_enter(g);
+    if (err != COMM_OK) return err;
+    cudaError_t e = cudaStreamWaitEvent(g->stream, (cudaEvent_t)event, 0);
+    if (e != cudaSuccess) return cuda_fail(g, "cudaStreamWaitEvent", e);
+    return COMM_OK;
+}
+
 /* The flag is already set (comm.c); the polling thread does the aborting. */
 static void nccl_abort(comm *c)
 {
     (void)c;
 }
 
+/* A clean end: finalize (ncclInProgress on a non-blocking comm, then
+ * settled), destroy; anything else aborts. Teardown errors change nothing
+ * for the caller: the comm is gone either way, so they are not reported. */
 static void nccl_destroy(comm *c)
 {
     nccl_comm *g = (nccl_comm *)c;
     if (g->nc) {
-        cudaSetDevice(g->device);
+        (void)cudaSetDevice(g->device);
         int clean = !g->broken && g->base.dead == COMM_OK && !comm_is_aborted(&g->base);
-        if (clean && ncclCommFinalize(g->nc) != ncclSuccess) clean = 0;
         if (clean) {
-            /* Finalize flushes in the background; bounded like any call. */
+            ncclResult_t r = ncclCommFinalize(g->nc);
+            clean = r == ncclSuccess || r == ncclInProgress;
+        }
+        if (clean) {
             int64_t deadline = mono_now_ms() + g->timeout_ms;
             ncclResult_t st = ncclInProgress;
             while (ncclCommGetAsyncError(g->nc, &st) == ncclSuccess && st == ncclInProgress &&
@@ -178,17 +319,21 @@ static void nccl_destroy(comm *c)
             clean = st == ncclSuccess;
         }
         if (clean)
-            ncclCommDestroy(g->nc);
+            (void)ncclCommDestroy(g->nc);
         else
-            ncclCommAbort(g->nc);
+            (void)ncclCommAbort(g->nc);
     }
-    if (g->dev_one) cudaFree(g->dev_one);
-    if (g->stream) cudaStreamDestroy(g->stream);
+    if (g->stream) (void)cudaStreamSynchronize(g->stream); /* nothing of ours left queued */
+    if (g->dev_one) (void)cudaFree(g->dev_one);
+    if (g->dev_stage) (void)cudaFree(g->dev_stage);
+    if (g->host_stage) (void)cudaFreeHost(g->host_stage);
+    if (g->stream) (void)cudaStreamDestroy(g->stream);
     free(g);
 }
 
 static const comm_ops nccl_ops = {
-    "nccl", nccl_allreduce, nccl_broadcast, nccl_allgather, nccl_barrier, nccl_abort, nccl_destroy,
+    "nccl",          nccl_allreduce, nccl_broadcast, nccl_allgather,
+    nccl_barrier,    nccl_wait_event, nccl_abort,    nccl_destroy,
 };
 
 static void hex_encode(const unsigned char *in, size_t n, char *out)
@@ -245,6 +390,35 @@ static comm_err nccl_share_id(nccl_comm *g, const comm_config *cfg, ncclUniqueId
     return COMM_OK;
 }
 
+/* The stream and the buffers a comm owns; CUDA says which call failed. */
+static comm_err nccl_alloc(nccl_comm *g)
+{
+    cudaError_t e;
+    const char *what;
+    float one = 1.0f;
+    if ((e = cudaSetDevice(g->device)) != cudaSuccess) {
+        what = "cudaSetDevice";
+    } else if ((e = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        g->stream = NULL;
+        what = "cudaStreamCreateWithFlags";
+    } else if ((e = cudaMalloc((void **)&g->dev_one, sizeof(float))) != cudaSuccess) {
+        g->dev_one = NULL;
+        what = "cudaMalloc (barrier)";
+    } else if ((e = cudaMalloc((void **)&g->dev_stage, NCCL_STAGE_BYTES)) != cudaSuccess) {
+        g->dev_stage = NULL;
+        what = "cudaMalloc (staging)";
+    } else if ((e = cudaMallocHost((void **)&g->host_stage, NCCL_STAGE_BYTES)) != cudaSuccess) {
+        g->host_stage = NULL;
+        what = "cudaMallocHost (staging)";
+    } else if ((e = cudaMemcpy(g->dev_one, &one, sizeof(one), cudaMemcpyHostToDevice)) !=
+               cudaSuccess) {
+        what = "cudaMemcpy (barrier)";
+    } else {
+        return COMM_OK;
+    }
+    return cuda_fail(g, what, e);
+}
+
 comm_err comm_nccl_init(const comm_config *cfg, comm **out)
 {
     if (!out) return COMM_ERR_ARG;
@@ -257,44 +431,22 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     comm_base_init(&g->base, &nccl_ops, cfg->rank, cfg->world_size);
     g->device = cfg->device;
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : NCCL_DEFAULT_TIMEOUT_MS;
-    int64_t deadline = mono_now_ms() + g->timeout_ms;
-
-    comm_err err;
-    cudaError_t ce = cudaSetDevice(g->device);
-    if (ce != cudaSuccess) {
-        err = cuda_fail(g, "cudaSetDevice", ce);
-        goto err;
-    }
-    ce = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking);
-    if (ce != cudaSuccess) {
-        g->stream = NULL;
-        err = cuda_fail(g, "cudaStreamCreate", ce);
-        goto err;
-    }
-    ce = cudaMalloc((void **)&g->dev_one, sizeof(float));
-    if (ce != cudaSuccess) {
-        g->dev_one = NULL;
-        err = cuda_fail(g, "cudaMalloc", ce);
-        goto err;
-    }
-    float one = 1.0f;
-    ce = cudaMemcpy(g->dev_one, &one, sizeof(one), cudaMemcpyHostToDevice);
-    if (ce != cudaSuccess) {
-        err = cuda_fail(g, "cudaMemcpy", ce);
-        goto err;
-    }
 
     ncclUniqueId id;
-    err = nccl_share_id(g, cfg, &id);
+    comm_err err = nccl_alloc(g);
+    if (err == COMM_OK) err = nccl_share_id(g, cfg, &id); /* its own deadline */
     if (err != COMM_OK) goto err;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
+    /* The init's deadline starts once the id is here: a slow id wait must
+     * not eat the time the peers need to connect. */
+    int64_t deadline = mono_now_ms() + g->timeout_ms;
     ncclResult_t r = ncclCommInitRankConfig(&g->nc, cfg->world_size, id, cfg->rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
         err = nccl_fail(g, COMM_ERR_NCCL, "ncclCommInitRankConfig", r);
         goto err;
     }
-    err = nccl_settle(g, "ncclCommInitRankConfig", deadline);
+    err = nccl_settle(g, "ncclCommInitRankConfig", deadline, cfg);
     if (err != COMM_OK) goto err;
     *out = &g->base;
     return COMM_OK;

@@ -559,7 +559,8 @@ void ring_destroy(comm *c)
 }
 
 static const comm_ops ring_ops = {
-    "ring", ring_allreduce, ring_broadcast, ring_allgather, ring_barrier, ring_abort, ring_destroy,
+    "ring", ring_allreduce, ring_broadcast, ring_allgather, ring_barrier, NULL, ring_abort,
+    ring_destroy,
 };
 
 /* ---- construction ---- */

@@ -10,9 +10,10 @@
  *
  * On a device (model->dev, gpu.h) the same code runs with the buckets in
  * device memory: marking a bucket ready records a CUDA event after the
- * kernels that wrote it, and the thread waits for that event before the
- * bucket's NCCL all-reduce, while the compute stream runs the rest of
- * backward. Host buffers handed to broadcast/allreduce are staged.
+ * kernels that wrote it, and the bucket's NCCL all-reduce waits for that
+ * event on the NCCL stream, while the compute stream runs the rest of
+ * backward. Host buffers (the state sync) go to the communicator as they
+ * are, whichever backend: NCCL stages host memory itself.
  */
 #include "ductile/ddp.h"
 #include "gpu.h"
@@ -102,16 +103,16 @@ static void *comm_thread(void *arg)
         if (r->shutdown) break;
         ddp_bucket *b = &r->buckets[r->next];
         comm_err e = r->cerr;
-        char why[DDP_MSG_MAX] = ""; /* gpu_wait_mark's msg */
+        /* On a device the collective's stream waits for the bucket's event. */
+        void *ready = r->m->dev ? gpu_mark_event(r->m, r->next) : NULL;
         pthread_mutex_unlock(&r->mu);
-        if (e == COMM_OK && r->m->dev && gpu_wait_mark(r->m, r->next, DDP_WAIT_MS, why) != 0)
-            e = COMM_ERR_CUDA;
-        if (e == COMM_OK) e = comm_allreduce_sum_f32(r->comm, r->grads + b->offset, b->numel);
+        if (e == COMM_OK)
+            e = comm_allreduce_sum_f32_after(r->comm, r->grads + b->offset, b->numel, ready);
         pthread_mutex_lock(&r->mu);
         if (e != COMM_OK && r->cerr == COMM_OK) {
             r->cerr = e;
             snprintf(r->err, sizeof(r->err), "all-reduce of bucket %d: %s: %.180s", r->next,
-                     comm_strerror(e), why[0] ? why : comm_last_error(r->comm));
+                     comm_strerror(e), comm_last_error(r->comm));
         }
         r->next++;
         pthread_cond_broadcast(&r->cv);
@@ -337,24 +338,13 @@ void ddp_zero_grad(ddp_reducer *r)
 ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes)
 {
     if (!r->comm) return DDP_OK;
-    comm_err e = r->m->dev ? gpu_broadcast_host(r->m, r->comm, buf, bytes)
-                           : comm_broadcast(r->comm, buf, bytes, 0);
+    comm_err e = comm_broadcast(r->comm, buf, bytes, 0);
     if (e != COMM_OK) {
         snprintf(r->err, sizeof(r->err), "broadcast: %s: %s", comm_strerror(e),
                  comm_last_error(r->comm));
         return DDP_ERR_COMM;
     }
     return DDP_OK;
-}
-
-/* One broadcast of the state sync: staged through the device on a GPU, as
- * NCCL wants device memory. gpu_broadcast_host() sends from rank 0 only;
- * from another root the host buffer goes to the communicator as it is. */
-static comm_err sync_broadcast(void *ctx, void *buf, size_t bytes, int root)
-{
-    ddp_reducer *r = ctx;
-    if (r->m->dev && root == 0) return gpu_broadcast_host(r->m, r->comm, buf, bytes);
-    return comm_broadcast(r->comm, buf, bytes, root);
 }
 
 ddp_err ddp_sync_state(ddp_reducer *r, const elastic_claim *mine, const elastic_part *parts, int n,
@@ -364,7 +354,7 @@ ddp_err ddp_sync_state(ddp_reducer *r, const elastic_claim *mine, const elastic_
     if (mine && best) *best = *mine;
     if (!r->comm) return DDP_OK;
     elastic_err e = mine ? elastic_agree(r->comm, mine, root, best) : ELASTIC_OK;
-    if (e == ELASTIC_OK) e = elastic_share_via(r->comm, *root, parts, n, sync_broadcast, r);
+    if (e == ELASTIC_OK) e = elastic_share(r->comm, *root, parts, n);
     if (e == ELASTIC_OK) return DDP_OK;
     if (e == ELASTIC_ERR_COMM) {
         snprintf(r->err, sizeof(r->err), "state sync: %s", comm_last_error(r->comm));
@@ -377,8 +367,7 @@ ddp_err ddp_sync_state(ddp_reducer *r, const elastic_claim *mine, const elastic_
 ddp_err ddp_allreduce(ddp_reducer *r, float *buf, size_t n)
 {
     if (!r->comm) return DDP_OK;
-    comm_err e = r->m->dev ? gpu_allreduce_host(r->m, r->comm, buf, n)
-                           : comm_allreduce_sum_f32(r->comm, buf, n);
+    comm_err e = comm_allreduce_sum_f32(r->comm, buf, n);
     if (e != COMM_OK) {
         snprintf(r->err, sizeof(r->err), "all-reduce: %s: %s", comm_strerror(e),
                  comm_last_error(r->comm));

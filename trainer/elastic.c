@@ -222,6 +222,15 @@ int elastic_inplace(elastic *e)
     return v;
 }
 
+int elastic_cancelled(void *ctx)
+{
+    elastic *e = ctx;
+    pthread_mutex_lock(&e->mu);
+    int v = must_abort(e);
+    pthread_mutex_unlock(&e->mu);
+    return v;
+}
+
 int elastic_ending(elastic *e)
 {
     pthread_mutex_lock(&e->mu);
@@ -324,19 +333,7 @@ elastic_err elastic_agree(comm *c, const elastic_claim *mine, int *root, elastic
     return ELASTIC_OK;
 }
 
-/* The plain broadcast of elastic_share(). */
-static comm_err plain_broadcast(void *ctx, void *buf, size_t bytes, int root)
-{
-    return comm_broadcast(ctx, buf, bytes, root);
-}
-
 elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
-{
-    return elastic_share_via(c, root, parts, n, plain_broadcast, c);
-}
-
-elastic_err elastic_share_via(comm *c, int root, const elastic_part *parts, int n,
-                              elastic_broadcast_fn broadcast, void *ctx)
 {
     if (!c || n < 0 || (n > 0 && !parts)) return ELASTIC_ERR_ARG;
     int receiving = comm_rank(c) != root;
@@ -352,7 +349,7 @@ elastic_err elastic_share_via(comm *c, int root, const elastic_part *parts, int 
     size_t off = 0;
     for (int i = 0; i < n && err == ELASTIC_OK; i++) {
         void *buf = !receiving ? parts[i].data : scratch ? scratch + off : NULL;
-        if (broadcast(ctx, buf, parts[i].bytes, root) != COMM_OK) err = ELASTIC_ERR_COMM;
+        if (comm_broadcast(c, buf, parts[i].bytes, root) != COMM_OK) err = ELASTIC_ERR_COMM;
         off += parts[i].bytes;
     }
     off = 0;

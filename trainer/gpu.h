@@ -15,8 +15,8 @@
  * copy stream moves each batch from pinned host memory (m->x and m->y point
  * there while attached, two slots used in turn) and the compute stream waits
  * for it through an event. The reducer records one event per bucket when its
- * last gradient's kernels are queued; the communication thread waits on that
- * event (polled, with a deadline) before the bucket's NCCL all-reduce.
+ * last gradient's kernels are queued; the bucket's NCCL all-reduce waits for
+ * that event on the NCCL stream (cudaStreamWaitEvent), not on the host.
  *
  * Errors inside forward/backward (whose signatures return no status) are
  * sticky: the first one is kept and gpu_status() reports it once per step.
@@ -66,13 +66,10 @@ void gpu_grad_free(model *m, float *p);
 void gpu_fill(model *m, float *p, size_t n, float v);
 void gpu_scale(model *m, float *p, size_t n, float a);
 float gpu_read(model *m, const float *p); /* waits for the compute stream */
-/* Event `slot` (< MODEL_MAX_PARAMS) after the work queued so far; and, from
- * any thread, wait for it: 0, or -1 with one line in msg (GPU_MSG_MAX bytes). */
+/* Event `slot` (< MODEL_MAX_PARAMS) after the work queued so far, and that
+ * event (a cudaEvent_t) for comm_allreduce_sum_f32_after. */
 void gpu_mark(model *m, int slot);
-int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg);
-/* Collectives on host buffers, staged through device memory for NCCL. */
-comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes);
-comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n);
+void *gpu_mark_event(model *m, int slot);
 
 /* ---- the layers on the device (tests call these against layers.h) ---- */
 
@@ -178,20 +175,10 @@ static inline void gpu_mark(model *m, int slot)
 {
     (void)m, (void)slot;
 }
-static inline int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg)
+static inline void *gpu_mark_event(model *m, int slot)
 {
-    (void)m, (void)slot, (void)timeout_ms, (void)msg;
-    return -1;
-}
-static inline comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes)
-{
-    (void)m, (void)c, (void)buf, (void)bytes;
-    return COMM_ERR_ARG;
-}
-static inline comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n)
-{
-    (void)m, (void)c, (void)buf, (void)n;
-    return COMM_ERR_ARG;
+    (void)m, (void)slot;
+    return NULL;
 }
 
 #endif

@@ -14,6 +14,12 @@
  * the host, waiting only until that slot's previous copy has finished; the
  * copy of a slot waits for the compute stream to be done reading it.
  *
+ * Gradient buckets leave without a host round trip: the reducer records a
+ * mark (an event) after the kernels that wrote a bucket, and the NCCL
+ * stream waits for it (comm_allreduce_sum_f32_after). Host buffers (the
+ * state sync, evaluation counts) go to the communicator as they are; the
+ * NCCL backend stages them itself.
+ *
  * Knowingly simple: model_loss() and ddp_finish() each read a value back
  * (a stream sync per micro-batch); one GEMM per linear layer is tiny at
  * this model size, so a small-batch MLP is launch-bound on a big GPU.
@@ -60,8 +66,6 @@ struct gpu_ctx {
     float *state;
     size_t state_floats;
     cudaEvent_t marks[MODEL_MAX_PARAMS];
-    void *scratch; /* staging for collectives on host buffers */
-    size_t scratch_bytes;
 };
 
 /* ---- errors ---- */
@@ -142,10 +146,12 @@ err:
     return NULL;
 }
 
+/* Teardown: a failure is kept as the context's error (gpu_status), though
+ * whoever tears down has nothing left to do about it. */
 static void free_mirror(gpu_ctx *g)
 {
-    if (g->compute) cudaStreamSynchronize(g->compute);
-    if (g->copy) cudaStreamSynchronize(g->copy);
+    if (g->compute) cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaStreamSynchronize (compute)");
+    if (g->copy) cuda_ok(g, cudaStreamSynchronize(g->copy), "cudaStreamSynchronize (copy)");
     for (int i = 0; i < MODEL_MAX_LAYERS; i++) {
         cudaFree(g->out[i]);
         cudaFree(g->dout[i]);
@@ -159,7 +165,6 @@ static void free_mirror(gpu_ctx *g)
     cudaFree(g->probs);
     cudaFree(g->loss);
     cudaFree(g->state);
-    cudaFree(g->scratch);
     cudaFreeHost(g->hloss);
     cudaFreeHost(g->hlogits);
     for (int s = 0; s < 2; s++) {
@@ -610,8 +615,8 @@ void gpu_grad_free(model *m, float *p)
 {
     gpu_ctx *g = m->dev;
     if (!p) return;
-    cudaStreamSynchronize(g->compute);
-    cudaFree(p);
+    cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaStreamSynchronize (freeing gradients)");
+    cuda_ok(g, cudaFree(p), "cudaFree (gradients)");
 }
 
 void gpu_fill(model *m, float *p, size_t n, float v)
@@ -641,85 +646,8 @@ void gpu_mark(model *m, int slot)
     cuda_ok(g, cudaEventRecord(g->marks[slot], g->compute), "bucket event");
 }
 
-/* Polled, so a wedged device turns into an error, never a hang. */
-int gpu_wait_mark(model *m, int slot, int timeout_ms, char *msg)
+void *gpu_mark_event(model *m, int slot)
 {
     gpu_ctx *g = m->dev;
-    int64_t deadline = mono_now_ms() + timeout_ms;
-    cudaError_t e = cudaSetDevice(g->device);
-    while (e == cudaSuccess) {
-        e = cudaEventQuery(g->marks[slot]);
-        if (e == cudaSuccess) return 0;
-        if (e != cudaErrorNotReady) break;
-        if (mono_now_ms() >= deadline) {
-            snprintf(msg, GPU_MSG_MAX, "gradients of bucket %d not written after %d ms", slot,
-                     timeout_ms);
-            return -1;
-        }
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
-        e = cudaSuccess;
-    }
-    snprintf(msg, GPU_MSG_MAX, "waiting for bucket %d: %s", slot, cudaGetErrorString(e));
-    return -1;
-}
-
-/* NCCL needs device memory: host buffers go through a device scratch. */
-static void *staged(gpu_ctx *g, void *buf, size_t bytes, comm_err *err)
-{
-    struct cudaPointerAttributes a;
-    *err = COMM_OK;
-    if (cudaPointerGetAttributes(&a, buf) == cudaSuccess &&
-        (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged))
-        return buf;
-    cudaGetLastError();
-    if (g->scratch_bytes < bytes) {
-        cudaFree(g->scratch);
-        g->scratch_bytes = 0;
-        if (cudaMalloc(&g->scratch, bytes) != cudaSuccess) {
-            g->scratch = NULL;
-            *err = COMM_ERR_CUDA;
-            return NULL;
-        }
-        g->scratch_bytes = bytes;
-    }
-    /* On the compute stream and waited for: NCCL's stream knows nothing of it. */
-    if (cudaMemcpyAsync(g->scratch, buf, bytes, cudaMemcpyHostToDevice, g->compute) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(g->compute) != cudaSuccess) {
-        *err = COMM_ERR_CUDA;
-        return NULL;
-    }
-    return g->scratch;
-}
-
-static comm_err unstage(gpu_ctx *g, void *buf, void *dev, size_t bytes, comm_err err)
-{
-    if (err == COMM_OK && dev != buf &&
-        (cudaMemcpyAsync(buf, dev, bytes, cudaMemcpyDeviceToHost, g->compute) != cudaSuccess ||
-         cudaStreamSynchronize(g->compute) != cudaSuccess))
-        return COMM_ERR_CUDA;
-    return err;
-}
-
-comm_err gpu_broadcast_host(model *m, comm *c, void *buf, size_t bytes)
-{
-    gpu_ctx *g = m->dev;
-    comm_err err;
-    if (bytes == 0) return comm_broadcast(c, buf, bytes, 0);
-    cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
-    void *dev = staged(g, buf, bytes, &err);
-    if (err != COMM_OK) return err;
-    return unstage(g, buf, dev, bytes, comm_broadcast(c, dev, bytes, 0));
-}
-
-comm_err gpu_allreduce_host(model *m, comm *c, float *buf, size_t n)
-{
-    gpu_ctx *g = m->dev;
-    comm_err err;
-    if (n == 0) return comm_allreduce_sum_f32(c, buf, n);
-    cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
-    void *dev = staged(g, buf, sizeof(float) * n, &err);
-    if (err != COMM_OK) return err;
-    return unstage(g, buf, dev, sizeof(float) * n, comm_allreduce_sum_f32(c, dev, n));
+    return g->marks[slot];
 }

@@ -91,7 +91,9 @@ group_err group_connect(group *g, const group_env *env, const group_link *link, 
                       .host = link->host ? link->host : env->node_addr,
                       .timeout_ms = link->timeout_ms,
                       .device = link->device,
-                      .msg = why};
+                      .msg = why,
+                      .cancelled = link->cancelled,
+                      .cancel_ctx = link->cancel_ctx};
     comm_err ce = link->cuda ? comm_nccl_init(&cc, &g->comm) : comm_ring_init(&cc, &g->comm);
     if (ce != COMM_OK) {
         /* The backend says why in cc.msg; the store's last error may add to it. */

@@ -52,6 +52,9 @@ typedef struct group_link {
     int timeout_ms;   /* deadline for a silent peer */
     int cuda;         /* NCCL on CUDA device `device` instead of the TCP ring */
     int device;
+    /* Optional: 1 when the round being built already ended (comm_config.cancelled). */
+    int (*cancelled)(void *ctx);
+    void *cancel_ctx;
 } group_link;
 
 /* Builds g's store and communicator for its rank, world and round (set by

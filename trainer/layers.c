@@ -21,13 +21,38 @@ void gemm(int trans_a, int trans_b, int m, int n, int k, float alpha, const floa
                 trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+/* ---- bias (linear: inner 1; convolution: inner = OH*OW) ---- */
+
+void layer_bias_fill(float *out, const float *b, int outer, int channels, int inner)
+{
+    for (int i = 0; i < outer; i++)
+        for (int c = 0; c < channels; c++) {
+            float *row = out + ((size_t)i * channels + c) * inner;
+            for (int p = 0; p < inner; p++)
+                row[p] = b[c];
+        }
+}
+
+/* Each row of inner entries is summed on its own, then added into db (for
+ * inner 1, linear's case, that is each entry added straight in). */
+void layer_bias_grad(float *db, const float *dout, int outer, int channels, int inner)
+{
+    for (int i = 0; i < outer; i++)
+        for (int c = 0; c < channels; c++) {
+            const float *row = dout + ((size_t)i * channels + c) * inner;
+            float acc = 0.0f;
+            for (int p = 0; p < inner; p++)
+                acc += row[p];
+            db[c] += acc;
+        }
+}
+
 /* ---- linear ---- */
 
 void linear_forward(float *out, const float *in, const float *w, const float *b, int batch,
                     int in_dim, int out_dim)
 {
-    for (int i = 0; i < batch; i++)
-        memcpy(out + (size_t)i * out_dim, b, sizeof(float) * out_dim);
+    layer_bias_fill(out, b, batch, out_dim, 1);
     gemm(0, 1, batch, out_dim, in_dim, 1.0f, in, in_dim, w, in_dim, 1.0f, out, out_dim);
 }
 
@@ -35,11 +60,7 @@ void linear_backward(float *din, float *dw, float *db, const float *dout, const 
                      const float *w, int batch, int in_dim, int out_dim)
 {
     gemm(1, 0, out_dim, in_dim, batch, 1.0f, dout, out_dim, in, in_dim, 1.0f, dw, in_dim);
-    for (int i = 0; i < batch; i++) {
-        const float *row = dout + (size_t)i * out_dim;
-        for (int o = 0; o < out_dim; o++)
-            db[o] += row[o];
-    }
+    layer_bias_grad(db, dout, batch, out_dim, 1);
     if (din) gemm(0, 0, batch, in_dim, out_dim, 1.0f, dout, out_dim, w, in_dim, 0.0f, din, in_dim);
 }
 
@@ -87,7 +108,7 @@ static void valid_cols(const conv_shape *s, int kj, int *lo, int *hi)
 
 /* col[(c*k + ki)*k + kj][oy*OW + ox] = in[c][oy+ki-pad][ox+kj-pad], 0 outside.
  * Each row is a zero edge, a contiguous copy and a zero edge. */
-static void im2col(float *col, const float *in, const conv_shape *s)
+void conv_im2col(float *col, const float *in, const conv_shape *s)
 {
     int ohw = s->oh * s->ow;
     for (int c = 0; c < s->c; c++)
@@ -111,8 +132,9 @@ static void im2col(float *col, const float *in, const conv_shape *s)
             }
 }
 
-/* The adjoint of im2col: scatter-add columns back into the image. */
-static void col2im(float *in, const float *col, const conv_shape *s)
+/* The adjoint of im2col: scatter-add columns back into the image, which it
+ * zeroes first. */
+void conv_col2im(float *in, const float *col, const conv_shape *s)
 {
     int ohw = s->oh * s->ow;
     memset(in, 0, sizeof(float) * s->c * s->h * s->w);
@@ -140,10 +162,8 @@ void conv_forward(float *out, const float *in, const float *w, const float *b, i
     for (int n = 0; n < batch; n++) {
         const float *x = in + (size_t)n * s->c * s->h * s->w;
         float *y = out + (size_t)n * s->oc * ohw;
-        im2col(col, x, s);
-        for (int o = 0; o < s->oc; o++)
-            for (int i = 0; i < ohw; i++)
-                y[o * ohw + i] = b[o];
+        conv_im2col(col, x, s);
+        layer_bias_fill(y, b, 1, s->oc, ohw);
         gemm(0, 0, s->oc, ohw, ckk, 1.0f, w, ckk, col, ohw, 1.0f, y, ohw);
     }
 }
@@ -155,17 +175,12 @@ void conv_backward(float *din, float *dw, float *db, const float *dout, const fl
     for (int n = 0; n < batch; n++) {
         const float *x = in + (size_t)n * s->c * s->h * s->w;
         const float *dy = dout + (size_t)n * s->oc * ohw;
-        im2col(col, x, s);
+        conv_im2col(col, x, s);
         gemm(0, 1, s->oc, ckk, ohw, 1.0f, dy, ohw, col, ohw, 1.0f, dw, ckk);
-        for (int o = 0; o < s->oc; o++) {
-            float acc = 0.0f;
-            for (int i = 0; i < ohw; i++)
-                acc += dy[o * ohw + i];
-            db[o] += acc;
-        }
+        layer_bias_grad(db, dy, 1, s->oc, ohw);
         if (din) {
             gemm(1, 0, ckk, ohw, s->oc, 1.0f, w, ckk, dy, ohw, 0.0f, dcol, ohw);
-            col2im(din + (size_t)n * s->c * s->h * s->w, dcol, s);
+            conv_col2im(din + (size_t)n * s->c * s->h * s->w, dcol, s);
         }
     }
 }

@@ -656,6 +656,9 @@ static loop_state trainer_regroup(trainer *t, const char *why)
 {
     char msg[TRAINER_MSG_MAX];
     group_link link = group_link_of(&t->o);
+    /* A rebuild gives up as soon as the agent says its round already ended. */
+    link.cancelled = elastic_cancelled;
+    link.cancel_ctx = t->el;
     int64_t start_step = t->start_step, start_samples = t->start_samples;
     for (;;) {
         elastic_attach(t->el, NULL, t->g.round);

@@ -36,26 +36,26 @@ void optim_free(optim *o)
     free(o);
 }
 
-static void sgd_update(float *p, const float *g, float *buf, size_t n, float lr, float mom,
-                       float wd)
+void optim_sgd_update(float *p, const float *g, float *buf, size_t n, float lr, float momentum,
+                      float wd)
 {
     for (size_t i = 0; i < n; i++) {
         float d = g[i] + wd * p[i];
-        buf[i] = mom * buf[i] + d;
+        buf[i] = momentum * buf[i] + d;
         p[i] -= lr * buf[i];
     }
 }
 
-static void adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr,
-                         const optim_config *c, float bc1, float bc2)
+void optim_adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr,
+                        float beta1, float beta2, float eps, float wd, float bc1, float bc2)
 {
-    float decay = 1.0f - lr * c->weight_decay;
+    float decay = 1.0f - lr * wd;
     float step = lr / bc1, bc2_sqrt = sqrtf(bc2);
     for (size_t i = 0; i < n; i++) {
         p[i] *= decay;
-        m[i] = c->beta1 * m[i] + (1.0f - c->beta1) * g[i];
-        v[i] = c->beta2 * v[i] + (1.0f - c->beta2) * g[i] * g[i];
-        p[i] -= step * m[i] / (sqrtf(v[i]) / bc2_sqrt + c->eps);
+        m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
+        v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+        p[i] -= step * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
     }
 }
 
@@ -71,10 +71,12 @@ void optim_step(optim *o, model *mdl, float lr)
     for (int i = 0; i < mdl->nparams; i++) {
         model_param *p = &mdl->params[i];
         float *s0 = o->state + p->offset;
-        if (o->cfg.kind == OPTIM_SGD)
-            sgd_update(p->data, p->grad, s0, p->numel, lr, o->cfg.momentum, o->cfg.weight_decay);
+        const optim_config *c = &o->cfg;
+        if (c->kind == OPTIM_SGD)
+            optim_sgd_update(p->data, p->grad, s0, p->numel, lr, c->momentum, c->weight_decay);
         else
-            adamw_update(p->data, p->grad, s0, s0 + o->n, p->numel, lr, &o->cfg, bc1, bc2);
+            optim_adamw_update(p->data, p->grad, s0, s0 + o->n, p->numel, lr, c->beta1, c->beta2,
+                               c->eps, c->weight_decay, bc1, bc2);
     }
 }
 

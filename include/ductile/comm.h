@@ -2,7 +2,10 @@
  *
  * Two backends share it: a TCP ring on CPU (comm_ring.c: reduce-scatter +
  * all-gather, chunked and pipelined) bootstrapped through the round store,
- * and NCCL on GPU (comm_nccl.c), whose buffers are device memory. Every call
+ * and NCCL on GPU (comm_nccl.c). Buffers are host memory for the ring; the
+ * NCCL backend takes device memory as it is and stages host memory through
+ * a pinned bounce buffer itself, so callers (the state sync, evaluation
+ * counts) need not know which backend they have. Every call
  * is synchronous for its caller (the DDP reducer calls them from its
  * communication thread) and fails within the configured deadline when a
  * peer dies or goes silent, at once when a connection closes: none hangs.
@@ -51,6 +54,11 @@ typedef struct comm_config {
     size_t chunk_bytes; /* ring pipeline chunk (default 256 KiB) */
     int device;         /* NCCL: CUDA device ordinal */
     char *msg;          /* optional, COMM_MSG_MAX bytes: why an init failed */
+    /* Optional: polled while an init waits (NCCL's), 1 to give up at once
+     * with COMM_ERR_ABORTED: the round being built has already ended (an
+     * in-place rebuild's control thread answers it), so no peer is coming. */
+    int (*cancelled)(void *ctx);
+    void *cancel_ctx;
 } comm_config;
 
 typedef struct comm comm;
@@ -67,6 +75,11 @@ int comm_world_size(const comm *c);
 
 /* In-place sum of n floats across all ranks. */
 comm_err comm_allreduce_sum_f32(comm *c, float *buf, size_t n);
+/* The same, started once `event` has happened: on a device backend a CUDA
+ * event (cudaEvent_t) recorded after the kernels that wrote buf, which the
+ * backend's stream waits for with no host round trip; NULL is plain
+ * comm_allreduce_sum_f32. The ring has no events (COMM_ERR_ARG). */
+comm_err comm_allreduce_sum_f32_after(comm *c, float *buf, size_t n, void *event);
 /* root's bytes to everyone. */
 comm_err comm_broadcast(comm *c, void *buf, size_t bytes, int root);
 /* Each rank's `bytes` from send, gathered in rank order into recv (world*bytes). */

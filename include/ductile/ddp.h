@@ -84,7 +84,7 @@ ddp_err ddp_finish(ddp_reducer *r, int *stop);
 void ddp_zero_grad(ddp_reducer *r);
 
 /* Rank 0's bytes to every rank, for parameters and optimizer state when a
- * group forms. A no-op without comm. */
+ * group forms. buf is host memory, whichever backend. A no-op without comm. */
 ddp_err ddp_broadcast(ddp_reducer *r, void *buf, size_t bytes);
 /* The one state sync, when a group forms: every rank takes the same
  * training state, parts[0..n) (host memory: position, parameters,

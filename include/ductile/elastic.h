@@ -73,6 +73,11 @@ void elastic_close(elastic *e);
 void elastic_attach(elastic *e, comm *c, int64_t round);
 /* 1 once the agent has sent a `round` line: it rebuilds in place. */
 int elastic_inplace(elastic *e);
+/* 1 when the collectives of the current round must be abandoned now (it
+ * ended as lost, or a newer round came with no graceful `abort`): what
+ * aborts an attached communicator, for a group still being built
+ * (comm_config.cancelled; ctx is the elastic). */
+int elastic_cancelled(void *ctx);
 /* 1 when the current round has been told to end: vote to stop. */
 int elastic_ending(elastic *e);
 /* Progress and failure reports to the agent (best effort): `step K`,
@@ -107,11 +112,4 @@ typedef struct elastic_part {
  * next agreement still matches its state. ELASTIC_ERR_COMM when a broadcast
  * failed (comm_last_error says why), ELASTIC_ERR_NOMEM without scratch. */
 elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n);
-/* elastic_share() with every broadcast made by broadcast(ctx, ...) in place
- * of comm_broadcast(c, ...): ddp_sync_state() stages host memory through
- * the device for NCCL this way. */
-typedef comm_err (*elastic_broadcast_fn)(void *ctx, void *buf, size_t bytes, int root);
-elastic_err elastic_share_via(comm *c, int root, const elastic_part *parts, int n,
-                              elastic_broadcast_fn broadcast, void *ctx);
-
 #endif

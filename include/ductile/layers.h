@@ -17,6 +17,12 @@
 void gemm(int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
           const float *b, int ldb, float beta, float *c, int ldc);
 
+/* Bias of a [outer, channels, inner] output (linear: inner 1; convolution:
+ * outer 1 per sample, inner OH*OW): fill sets out[(i*channels + c)*inner + p]
+ * = b[c]; grad adds the sum over i and p of dout at the same index to db[c]. */
+void layer_bias_fill(float *out, const float *b, int outer, int channels, int inner);
+void layer_bias_grad(float *db, const float *dout, int outer, int channels, int inner);
+
 /* Linear: out[B,O] = in[B,I] * W[O,I]^T + b[O] (PyTorch's weight layout). */
 void linear_forward(float *out, const float *in, const float *w, const float *b, int batch,
                     int in_dim, int out_dim);
@@ -39,6 +45,10 @@ typedef struct conv_shape {
 
 void conv_shape_init(conv_shape *s, int c, int h, int w, int oc, int k, int pad);
 size_t conv_col_size(const conv_shape *s);
+/* One sample: col[(c*k + ki)*k + kj][oy*OW + ox] = in[c][oy+ki-pad][ox+kj-pad]
+ * (0 in the padding); col2im is its adjoint and OVERWRITES in[C,H,W]. */
+void conv_im2col(float *col, const float *in, const conv_shape *s);
+void conv_col2im(float *in, const float *col, const conv_shape *s);
 void conv_forward(float *out, const float *in, const float *w, const float *b, int batch,
                   const conv_shape *s, float *col);
 void conv_backward(float *din, float *dw, float *db, const float *dout, const float *in,

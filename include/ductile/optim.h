@@ -35,6 +35,15 @@ void optim_free(optim *o);
 /* One update of every parameter of m with its gradient, at learning rate lr. */
 void optim_step(optim *o, model *m, float lr);
 
+/* The update of one flat array of n parameters p with gradient g (what
+ * optim_step does per parameter, and the reference of the device kernels).
+ * SGD's buf is its momentum buffer; AdamW's m and v its moment estimates,
+ * bc1 and bc2 the bias corrections 1 - beta^t of this step. */
+void optim_sgd_update(float *p, const float *g, float *buf, size_t n, float lr, float momentum,
+                      float wd);
+void optim_adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr,
+                        float beta1, float beta2, float eps, float wd, float bc1, float bc2);
+
 /* Linear warm-up over warmup steps to base, then cosine decay to 0 as
  * progress goes from 0 to 1 (progress: fraction of the run's samples seen). */
 float optim_lr(float base, int64_t step, int64_t warmup, double progress, int cosine);

@@ -247,7 +247,7 @@ static void rec_destroy(comm *c)
 }
 
 static const comm_ops rec_ops = {"recording", rec_allreduce, rec_broadcast, rec_allgather,
-                                 rec_barrier, rec_abort,     rec_destroy};
+                                 rec_barrier, NULL,          rec_abort,     rec_destroy};
 
 /* Marks every parameter ready in the given order, as backward would. */
 static void mark_all(ddp_reducer *r, const int *order, int n)
