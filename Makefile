@@ -31,13 +31,17 @@ build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS) >/dev/null
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The sanitizer build is also the GPU test build: its GPU sources link the
+# host test runtime (tests/gpurt), so every GPU test, multi-rank NCCL and the
+# GPU e2e included, runs on a machine without a GPU. The optimised build
+# links the real CUDA libraries when nvcc is there.
 asan: deps
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DDUCTILE_SANITIZE=ON -DDUCTILE_FUZZ=ON \
-	  $(CMAKE_ARGS) >/dev/null
+	  -DDUCTILE_GPU_RUNTIME=host $(CMAKE_ARGS) >/dev/null
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 
-# Every test, under ASan/UBSan; the optimised build is compiled too so its
-# warnings count. A test runs once: one that passes only on a second try is
+# Every test, under ASan/UBSan (the GPU ones on the host test runtime); the
+# optimised build is compiled too so its warnings count, CUDA's included. A test runs once: one that passes only on a second try is
 # a bug. The agent and e2e tests run again with every core kept busy
 # (tests/harness/contend.py).
 test: build asan

@@ -555,16 +555,23 @@ static void write_summary(const trainer *t, double acc, double seconds, stop_rea
 
 static void dump_params(trainer *t)
 {
-    char msg[TRAINER_MSG_MAX];
-    if (!t->o.dump_params || t->g.rank != 0) return;
+    char msg[TRAINER_MSG_MAX], file[4096];
+    const char *path = t->o.dump_params, *tag = path ? strstr(path, "{rank}") : NULL;
+    if (!path || (!tag && t->g.rank != 0)) return;
+    /* {rank} in the name: every rank writes its own, named ROUND-RANK. */
+    if (tag)
+        snprintf(file, sizeof(file), "%.*s%lld-%d%s", (int)(tag - path), path,
+                 (long long)t->g.round, t->g.rank, tag + strlen("{rank}"));
+    else
+        snprintf(file, sizeof(file), "%s", path);
     if (t->m->dev && gpu_download(t->m, NULL, msg) != 0) {
-        fail(t, "writing %s: %s", t->o.dump_params, msg);
+        fail(t, "writing %s: %s", file, msg);
         return;
     }
-    FILE *f = fopen(t->o.dump_params, "wb");
+    FILE *f = fopen(file, "wb");
     if (!f || fwrite(t->m->weights, sizeof(float), t->m->nfloats, f) != t->m->nfloats ||
         fclose(f) != 0)
-        fail(t, "writing %s: %s", t->o.dump_params, strerror(errno));
+        fail(t, "writing %s: %s", file, strerror(errno));
 }
 
 static void trainer_free(trainer *t)

@@ -83,6 +83,7 @@ void options_usage(FILE *f)
         "                         (under ductile-agent: 'epoch sample step rank round' per sample\n"
         "                         trained, written before its gradients leave)\n"
         "  --dump-params FILE     test mode: rank 0 writes the final parameters as raw floats\n"
+        "                         ({rank} in FILE: every rank writes its own, as ROUND-RANK)\n"
         "  --no-overlap           all-reduce after backward instead of during it\n"
         "  --threads N            BLAS threads (cores / LOCAL_WORLD_SIZE)\n"
         "  --log-every N          steps between log lines (100)\n"

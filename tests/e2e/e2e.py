@@ -23,8 +23,16 @@ The chaos run (`chaos`) applies a seeded random schedule of 20 worker kills,
 agent kills, leaves and joins to one 40-epoch run; its seed is printed and
 named in the failure message (--chaos-seed reruns it).
 
+With --device cuda every trainer runs `--device cuda` (on the host test
+runtime of a -DDUCTILE_GPU_RUNTIME=host build: DUCTILE_GPURT_DEVICES=1 is
+set, so NCCL's semantics hold between the trainer processes), its
+reference run too, and verify() also checks that the ranks of the last
+round end with the same parameters bit for bit (--dump-params, every rank).
+`gpu` is the GPU core: pod kill, join and hot spare, in place and by
+restart.
+
 usage: e2e.py --agent A --train T [--data DIR] [--seed S] [--chaos-seed S]
-              SCENARIO[:MODE]... | all | core | chaos
+              [--device cpu|cuda] SCENARIO[:MODE]... | all | core | gpu | chaos
 Exit 0 when every scenario passes, 77 when all were skipped, else 1.
 """
 import argparse
@@ -184,6 +192,7 @@ class Job:
         self.rec = os.path.join(self.dir, "records")
         self.ck = os.path.join(self.dir, "ckpt")
         self.summary = os.path.join(self.dir, "summary.json")
+        self.params = os.path.join(self.dir, "params.{rank}")
         self.agents = {}
         self.extra = list(extra)
         self.count = 0
@@ -194,7 +203,11 @@ class Job:
                 "--batch-size", str(BATCH), "--seed", str(self.env.seed), "--threads", "1",
                 "--log-every", "5", "--record-samples", self.rec,
                 "--checkpoint-dir", ckpt or self.ck, "--checkpoint-every", "10",
-                "--comm-timeout-ms", "8000", "--summary", self.summary] + self.extra
+                "--comm-timeout-ms", "8000", "--summary", self.summary,
+                "--device", self.env.device] + self.gpu_args() + self.extra
+
+    def gpu_args(self):
+        return ["--dump-params", self.params] if self.env.device == "cuda" else []
 
     def start(self, name=None, node_id=None, endpoint=None, prefix=(), ckpt=None, nnodes=None):
         self.count += 1
@@ -205,7 +218,10 @@ class Job:
             "--node-id", node_id or name, "--node-addr", "127.0.0.1", "--lease-ttl", str(self.ttl),
             "--last-call", "1", "--rebuild", self.mode, "--max-restarts", str(self.max_restarts),
             "--stop-grace", "3", "--shutdown-timeout", "20", "--"] + self.train_args(ckpt)
-        a = Agent(self.job, name, cmd, self.dir, self.agent_env)
+        env = dict(self.agent_env or {})
+        if self.env.device == "cuda":
+            env.setdefault("DUCTILE_GPURT_DEVICES", "1")
+        a = Agent(self.job, name, cmd, self.dir, env)
         self.agents[name] = a
         return a
 
@@ -300,6 +316,26 @@ def accounting(rec, n, epochs):
     return len(rows), len(rounds), voided
 
 
+def check_params_equal(job):
+    """The ranks of the last round hold the same parameters, bit for bit."""
+    last = collections.defaultdict(dict)
+    base = os.path.basename(job.params).replace("{rank}", "")
+    for f in os.listdir(job.dir):
+        m = re.fullmatch(re.escape(base) + r"(\d+)-(\d+)", f)
+        if m:
+            with open(os.path.join(job.dir, f), "rb") as fh:
+                last[int(m.group(1))][int(m.group(2))] = fh.read()
+    check(last, "no parameters dumped")
+    rnd = max(last)
+    got = last[rnd]
+    check(len(got) >= 2, "round %d: parameters of %d rank(s) only" % (rnd, len(got)))
+    first = got[min(got)]
+    for r, data in sorted(got.items()):
+        check(data == first and len(data) > 0,
+              "round %d: rank %d's parameters differ from rank %d's" % (rnd, r, min(got)))
+    log("%s: round %d: %d ranks end with equal parameters" % (job.name, rnd, len(got)))
+
+
 def verify(job, ref, expect_fail=(), timeout=300, no_step_lost=False):
     job.finish(timeout, expect_fail)
     for a in job.agents.values():
@@ -309,6 +345,8 @@ def verify(job, ref, expect_fail=(), timeout=300, no_step_lost=False):
     acc = job.accuracy()
     log("%s: %d records over %d rounds (%d of discarded steps), accuracy %.4f (reference %.4f)" %
         (job.name, nrec, nrounds, voided, acc, ref))
+    if job.env.device == "cuda":
+        check_params_equal(job)
     # A graceful change switches at a step boundary: no step is trained twice.
     check(not no_step_lost or voided == 0, "%d records of a lost step" % voided)
     check(abs(acc - ref) <= ACC_TOL,
@@ -622,6 +660,8 @@ SCENARIOS = collections.OrderedDict([
 ])
 CHAOS = collections.OrderedDict([("chaos", (sc_chaos, ("inplace", "restart")))])
 CHAOS_EPOCHS = 40
+GPU_CORE = ["agent_kill:inplace", "agent_kill:restart", "scale_up:inplace", "scale_up:restart",
+            "hot_spare:inplace", "hot_spare:restart"]
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
         "scale_up:restart", "etcd_pause:inplace"]
 
@@ -629,6 +669,7 @@ CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scal
 class Env:
     def __init__(self, a):
         self.agent, self.train, self.data, self.seed = a.agent, a.train, a.data, a.seed
+        self.device = a.device
         self.workdir = tempfile.mkdtemp(prefix="ductile-e2e-")
         self.keep = bool(os.environ.get("KEEP"))
         self.chaos_seed = a.chaos_seed if a.chaos_seed is not None else random.randrange(1 << 30)
@@ -663,12 +704,15 @@ def main():
                                                    "/usr/share/datasets/fashion-mnist"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--chaos-seed", type=int)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("cases", nargs="+")
     a = p.parse_args()
     cases = []
     for c in a.cases:
         if c == "core":
             cases += CORE
+        elif c == "gpu":
+            cases += GPU_CORE
         elif c == "all":
             cases += ["%s:%s" % (k, m) for k, (_, modes) in SCENARIOS.items() for m in modes]
         else:

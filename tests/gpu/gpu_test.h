@@ -50,13 +50,18 @@ static inline int gpu_test_near(const char *what, const float *got, const float 
     return ok;
 }
 
-/* Device copies of host arrays, and back. Failures abort the test. */
+/* Device copies of host arrays, and back. Failures abort the test.
+ * Neither synchronises the device: cudaMemcpy runs on the legacy stream,
+ * which does not wait for the trainer's non-blocking streams, so a test must
+ * wait for the stream its kernels ran on (gpu_sync) before it reads a
+ * result, as the trainer must; a missing wait shows as stale data (and, on
+ * the host test runtime, as a reported race). cudaMemcpy returns after the
+ * upload, so kernels queued after it see the data. */
 static inline void *gpu_test_up(const void *host, size_t bytes)
 {
     void *d = NULL;
     if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess ||
-        (bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) ||
-        cudaDeviceSynchronize() != cudaSuccess) { /* kernels run on non-blocking streams */
+        (bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess)) {
         fprintf(stderr, "cuda: upload of %zu bytes failed\n", bytes);
         exit(1);
     }
@@ -65,8 +70,7 @@ static inline void *gpu_test_up(const void *host, size_t bytes)
 
 static inline void gpu_test_down(void *host, const void *dev, size_t bytes)
 {
-    cudaError_t e = cudaDeviceSynchronize();
-    if (e == cudaSuccess) e = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
     if (e != cudaSuccess) {
         fprintf(stderr, "cuda: download failed: %s\n", cudaGetErrorString(e));
         exit(1);

@@ -108,7 +108,7 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
         return COMM_ERR_STORE;
     }
     cfg.store = s;
-    comm_err err = comm_ring_init(&cfg, out);
+    comm_err err = g->nccl ? comm_nccl_init(&cfg, out) : comm_ring_init(&cfg, out);
     rdzv_store_close(s);
     return err;
 }
