@@ -55,13 +55,15 @@ static inline int gpu_test_near(const char *what, const float *got, const float 
  * which does not wait for the trainer's non-blocking streams, so a test must
  * wait for the stream its kernels ran on (gpu_sync) before it reads a
  * result, as the trainer must; a missing wait shows as stale data (and, on
- * the host test runtime, as a reported race). cudaMemcpy returns after the
- * upload, so kernels queued after it see the data. */
+ * the host test runtime, as a reported race). An upload from pageable
+ * memory may return before its DMA lands, so it waits for the legacy
+ * stream (only that one) before kernels on other streams read the data. */
 static inline void *gpu_test_up(const void *host, size_t bytes)
 {
     void *d = NULL;
     if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess ||
-        (bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess)) {
+        (bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) ||
+        cudaStreamSynchronize(NULL) != cudaSuccess) {
         fprintf(stderr, "cuda: upload of %zu bytes failed\n", bytes);
         exit(1);
     }

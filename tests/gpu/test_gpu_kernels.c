@@ -137,21 +137,25 @@ static void test_elementwise(gpu_ctx *g)
 
     relu_forward(out, in, n);
     CHECK(kern_relu_forward(d_out, d_in, n, gpu_stream(g)) == 0, "relu launch");
+    sync_ok(g, "relu forward");
     gpu_test_down(got, d_out, sizeof(float) * n);
     gpu_test_near("relu forward", got, out, n, TOL_EXACT);
     relu_backward(din, dout, out, n);
     CHECK(kern_relu_backward(d_din, d_dout, d_out, n, gpu_stream(g)) == 0, "relu launch");
+    sync_ok(g, "relu backward");
     gpu_test_down(got, d_din, sizeof(float) * n);
     gpu_test_near("relu backward", got, din, n, TOL_EXACT);
 
     for (size_t i = 0; i < n; i++)
         out[i] = in[i] * 0.37f;
     CHECK(kern_scale(d_in, n, 0.37f, gpu_stream(g)) == 0, "scale launch");
+    sync_ok(g, "scale");
     gpu_test_down(got, d_in, sizeof(float) * n);
     gpu_test_near("scale", got, out, n, TOL_EXACT);
     for (size_t i = 0; i < n; i++)
         out[i] = -2.5f;
     CHECK(kern_fill(d_in, n, -2.5f, gpu_stream(g)) == 0, "fill launch");
+    sync_ok(g, "fill");
     gpu_test_down(got, d_in, sizeof(float) * n);
     gpu_test_near("fill", got, out, n, TOL_EXACT);
 
@@ -237,6 +241,7 @@ static void test_maxpool_case(gpu_ctx *g, const char *name, int ties)
 
     maxpool_forward(out, am, in, B, C, H, W);
     CHECK(kern_maxpool_forward(d_out, d_am, d_in, B, C, H, W, gpu_stream(g)) == 0, "launch");
+    sync_ok(g, "max-pool forward");
     gpu_test_down(got, d_out, sizeof(float) * nout);
     snprintf(what, sizeof(what), "max-pool forward%s", name);
     gpu_test_near(what, got, out, nout, TOL_EXACT);
@@ -245,6 +250,7 @@ static void test_maxpool_case(gpu_ctx *g, const char *name, int ties)
 
     maxpool_backward(din, dout, am, B, C, H, W);
     CHECK(kern_maxpool_backward(d_din, d_dout, d_am, B, C, H, W, gpu_stream(g)) == 0, "launch");
+    sync_ok(g, "max-pool backward");
     gpu_test_down(got, d_din, sizeof(float) * nin);
     snprintf(what, sizeof(what), "max-pool backward%s", name);
     gpu_test_near(what, got, din, nin, TOL_EXACT);
@@ -280,6 +286,7 @@ static void test_softmax(gpu_ctx *g)
     double loss = softmax_xent_forward(probs, logits, labels, B, K);
     CHECK(kern_softmax_xent_forward(d_probs, d_loss, d_logits, d_labels, B, K, gpu_stream(g)) == 0,
           "launch");
+    sync_ok(g, "softmax forward");
     gpu_test_down(got, d_probs, sizeof(float) * n);
     gpu_test_near("softmax probabilities", got, probs, n, TOL_EXACT);
     gpu_test_down(hloss, d_loss, sizeof(hloss));
@@ -292,6 +299,7 @@ static void test_softmax(gpu_ctx *g)
     softmax_xent_backward(dl, probs, labels, B, K, 0.03f);
     CHECK(kern_softmax_xent_backward(d_dl, d_probs, d_labels, B, K, 0.03f, gpu_stream(g)) == 0,
           "launch");
+    sync_ok(g, "softmax backward");
     gpu_test_down(got, d_dl, sizeof(float) * n);
     gpu_test_near("softmax backward", got, dl, n, TOL_EXACT);
 
