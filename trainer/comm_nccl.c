@@ -22,11 +22,12 @@
  * Pinned, not pageable: a pageable device-to-host copy blocks the calling
  * thread inside CUDA, where neither the abort flag nor the deadline is seen.
  *
- * Whose failure: an error the communicator reports asynchronously
- * (ncclRemoteError, and the ncclSystemError or ncclInternalError a dying
- * peer's socket turns into) is a peer's, COMM_ERR_PEER, as a closed socket
- * is on the ring; an error a call returns at once (an invalid argument, a
- * CUDA error) is this process's own.
+ * Whose failure: ncclRemoteError, and the ncclSystemError or
+ * ncclInternalError a dying peer's socket turns into, are a peer's
+ * (COMM_ERR_PEER, as a closed socket is on the ring), whether the
+ * communicator reports them asynchronously or the next call on it returns
+ * them; an invalid argument or usage, or a CUDA error, is this process's
+ * own.
  *
  * Knowingly simple: the deadline covers a whole collective, not "no
  * progress" as on the ring (NCCL does not report progress); polling sleeps
@@ -93,8 +94,8 @@ static comm_err cuda_fail(nccl_comm *g, const char *what, cudaError_t e)
     return out;
 }
 
-/* An asynchronous error is the network's or a peer's (see the top). */
-static comm_err async_kind(ncclResult_t st)
+/* The network's or a peer's, or this process's (see the top). */
+static comm_err nccl_kind(ncclResult_t st)
 {
     return st == ncclRemoteError || st == ncclSystemError || st == ncclInternalError
                ? COMM_ERR_PEER
@@ -110,7 +111,7 @@ static comm_err nccl_poll(nccl_comm *g, const char *what, int *settled)
     *settled = 0;
     if (r != ncclSuccess) return nccl_fail(g, COMM_ERR_NCCL, "ncclCommGetAsyncError", r);
     if (st == ncclInProgress) return COMM_OK;
-    if (st != ncclSuccess) return nccl_fail(g, async_kind(st), what, st);
+    if (st != ncclSuccess) return nccl_fail(g, nccl_kind(st), what, st);
     *settled = 1;
     return COMM_OK;
 }
@@ -136,7 +137,7 @@ static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline,
 static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
 {
     int64_t deadline = mono_now_ms() + g->timeout_ms;
-    if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(g, COMM_ERR_NCCL, what, r);
+    if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(g, nccl_kind(r), what, r);
     comm_err err = nccl_settle(g, what, deadline, NULL);
     if (err != COMM_OK) return err;
     for (;;) {
@@ -202,7 +203,7 @@ static comm_err nccl_allreduce(comm *c, float *buf, size_t n)
         ncclResult_t r =
             ncclAllReduce(g->dev_stage, g->dev_stage, k, ncclFloat, ncclSum, g->nc, g->stream);
         if (r != ncclSuccess && r != ncclInProgress)
-            return nccl_fail(g, COMM_ERR_NCCL, "ncclAllReduce (staged)", r);
+            return nccl_fail(g, nccl_kind(r), "ncclAllReduce (staged)", r);
         if ((err = stage_copy(g, 0, 0, k * sizeof(float))) != COMM_OK ||
             (err = nccl_finish(g, "ncclAllReduce (staged)", ncclSuccess)) != COMM_OK)
             break;
@@ -230,7 +231,7 @@ static comm_err nccl_broadcast(comm *c, void *buf, size_t bytes, int root)
         ncclResult_t r =
             ncclBroadcast(g->dev_stage, g->dev_stage, k, ncclUint8, root, g->nc, g->stream);
         if (r != ncclSuccess && r != ncclInProgress)
-            return nccl_fail(g, COMM_ERR_NCCL, "ncclBroadcast (staged)", r);
+            return nccl_fail(g, nccl_kind(r), "ncclBroadcast (staged)", r);
         if (!sender && (err = stage_copy(g, 0, 0, k)) != COMM_OK) break;
         if ((err = nccl_finish(g, "ncclBroadcast (staged)", ncclSuccess)) != COMM_OK) break;
         if (!sender) memcpy((char *)buf + off, g->host_stage, k);
@@ -261,7 +262,7 @@ static comm_err nccl_allgather(comm *c, const void *send, size_t bytes, void *re
         ncclResult_t r =
             ncclAllGather(g->dev_stage + mine * k, g->dev_stage, k, ncclUint8, g->nc, g->stream);
         if (r != ncclSuccess && r != ncclInProgress)
-            return nccl_fail(g, COMM_ERR_NCCL, "ncclAllGather (staged)", r);
+            return nccl_fail(g, nccl_kind(r), "ncclAllGather (staged)", r);
         if ((err = stage_copy(g, 0, 0, world * k)) != COMM_OK ||
             (err = nccl_finish(g, "ncclAllGather (staged)", ncclSuccess)) != COMM_OK)
             break;
@@ -443,7 +444,7 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     int64_t deadline = mono_now_ms() + g->timeout_ms;
     ncclResult_t r = ncclCommInitRankConfig(&g->nc, cfg->world_size, id, cfg->rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
-        err = nccl_fail(g, COMM_ERR_NCCL, "ncclCommInitRankConfig", r);
+        err = nccl_fail(g, nccl_kind(r), "ncclCommInitRankConfig", r);
         goto err;
     }
     err = nccl_settle(g, "ncclCommInitRankConfig", deadline, cfg);

@@ -25,9 +25,10 @@ named in the failure message (--chaos-seed reruns it).
 
 With --device cuda every trainer runs `--device cuda` (on the host test
 runtime of a -DDUCTILE_GPU_RUNTIME=host build: DUCTILE_GPURT_DEVICES=1 is
-set, so NCCL's semantics hold between the trainer processes), its
-reference run too, and verify() also checks that the ranks of the last
-round end with the same parameters bit for bit (--dump-params, every rank).
+set, so NCCL's semantics hold between the trainer processes) for 8 epochs;
+verify() checks the same sample accounting, that the ranks of the last
+round end with the same parameters bit for bit (--dump-params, every rank),
+and an accuracy floor instead of a reference run.
 `gpu` is the GPU core: pod kill, join and hot spare, in place and by
 restart.
 
@@ -61,6 +62,11 @@ TRAIN_N = 6000
 EPOCHS = 25
 BATCH = 64
 ACC_TOL = 0.005
+# --device cuda: fewer epochs and no reference run, so the GPU core fits in
+# `make test` (its numbers are checked against the CPU by tests/gpu); the
+# accuracy must only clear a floor that a lost or garbled state sync cannot.
+GPU_EPOCHS = 8
+GPU_ACC_FLOOR = 0.75
 
 
 def log(*a):
@@ -171,7 +177,7 @@ class Agent:
 class Job:
     """One training job: etcd, agents, the shared record file and checkpoint dir."""
 
-    def __init__(self, env, name, mode, nnodes="2:4", epochs=EPOCHS, etcd=None, extra=(),
+    def __init__(self, env, name, mode, nnodes="2:4", epochs=None, etcd=None, extra=(),
                  ttl=3, max_restarts=1000, agent_env=None):
         self.ttl = ttl
         # Membership changes never use the restart budget: scenarios without a
@@ -184,7 +190,7 @@ class Job:
         self.dir = tempfile.mkdtemp(prefix="e2e-%s-" % name, dir=env.workdir)
         self.job = re.sub(r"[^a-z0-9-]", "-", name.lower())[:40]
         self.nnodes = nnodes
-        self.epochs = epochs
+        self.epochs = epochs or env.epochs
         self.etcd = etcd or Etcd(self.dir)
         self.own_etcd = etcd is None
         if self.own_etcd:
@@ -344,11 +350,14 @@ def verify(job, ref, expect_fail=(), timeout=300, no_step_lost=False):
     nrec, nrounds, voided = accounting(job.rec, TRAIN_N, job.epochs)
     acc = job.accuracy()
     log("%s: %d records over %d rounds (%d of discarded steps), accuracy %.4f (reference %.4f)" %
-        (job.name, nrec, nrounds, voided, acc, ref))
+        (job.name, nrec, nrounds, voided, acc, ref if ref is not None else -1))
     if job.env.device == "cuda":
         check_params_equal(job)
     # A graceful change switches at a step boundary: no step is trained twice.
     check(not no_step_lost or voided == 0, "%d records of a lost step" % voided)
+    if ref is None:  # the GPU runs: no reference run, a floor (a lost state trains from noise)
+        check(acc >= GPU_ACC_FLOOR, "accuracy %.4f is below %.2f" % (acc, GPU_ACC_FLOOR))
+        return
     check(abs(acc - ref) <= ACC_TOL,
           "accuracy %.4f is more than %.1f points from %.4f" % (acc, ACC_TOL * 100, ref))
 
@@ -670,6 +679,7 @@ class Env:
     def __init__(self, a):
         self.agent, self.train, self.data, self.seed = a.agent, a.train, a.data, a.seed
         self.device = a.device
+        self.epochs = GPU_EPOCHS if a.device == "cuda" else EPOCHS
         self.workdir = tempfile.mkdtemp(prefix="ductile-e2e-")
         self.keep = bool(os.environ.get("KEEP"))
         self.chaos_seed = a.chaos_seed if a.chaos_seed is not None else random.randrange(1 << 30)
@@ -677,7 +687,7 @@ class Env:
     def job(self, name, mode, **kw):
         return Job(self, name, mode, **kw)
 
-    def reference(self, epochs=EPOCHS):
+    def reference(self, epochs):
         job = self.job("reference", "inplace", epochs=epochs)
         try:
             for _ in range(3):
@@ -727,9 +737,9 @@ def main():
             if name not in table:
                 log("unknown scenario %s" % name)
                 return 2
-            epochs = CHAOS_EPOCHS if name in CHAOS else EPOCHS
+            epochs = CHAOS_EPOCHS if name in CHAOS else env.epochs
             if epochs not in refs:
-                refs[epochs] = env.reference(epochs)
+                refs[epochs] = env.reference(epochs) if env.device == "cpu" else None
             ref = refs[epochs]
             fn, modes = table[name]
             for m in ([mode] if mode else modes):

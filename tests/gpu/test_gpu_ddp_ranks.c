@@ -103,8 +103,7 @@ static int rank_main(tc_group *g, int rank, void *arg)
     elastic_claim best;
     elastic_part parts[2] = {{m->weights, sizeof(float) * m->nfloats},
                              {o->state, sizeof(float) * o->n * o->nstate}};
-    int got_root = -1;
-    CHECK_OR_RETURN(gpu_download(m, o, msg) == 0, "rank %d: %s", rank, msg);
+    int got_root = -1; /* the host copies are the state here: nothing trained yet */
     ddp_err de = ddp_sync_state(r, &mine, parts, 2, &got_root, &best);
     CHECK_OR_RETURN(de == DDP_OK, "rank %d: state sync: %s", rank, ddp_last_error(r));
     res->root[rank] = got_root;

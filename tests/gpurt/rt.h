@@ -130,6 +130,11 @@ cudaError_t rt_sticky(void);
  * aborted, as on a real GPU). */
 void rt_wait_stream(cudaStream_t s);
 
+/* NCCL teardowns in this process so far: communicators destroyed after a
+ * completed finalize (clean) and communicators aborted. For tests that a
+ * healthy communicator is finalized, not torn down. */
+void rt_nccl_teardowns(int *clean, int *aborted);
+
 /* Devices this runtime shows (DUCTILE_GPURT_DEVICES). */
 int rt_device_count(void);
 

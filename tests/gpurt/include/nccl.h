@@ -27,7 +27,7 @@ extern "C" {
 
 #define NCCL_VERSION_CODE 22809
 #define NCCL_VERSION(X, Y, Z)                                                                      \
-    (((X) <= 2 && (Y) <= 8) ? (X) * 1000 + (Y) * 100 + (Z) : (X) * 10000 + (Y) * 100 + (Z))
+    (((X) <= 2 && (Y) <= 8) ? 1000 * (X) + 100 * (Y) + (Z) : 10000 * (X) + 100 * (Y) + (Z))
 
 typedef struct ncclComm *ncclComm_t;
 
@@ -78,23 +78,23 @@ typedef struct ncclConfig_v22800 {
 
 #define NCCL_CONFIG_INITIALIZER                                                                    \
     {                                                                                              \
-        sizeof(ncclConfig_t),                             /* size */                               \
-            0xcafebeef,                                   /* magic */                              \
+        sizeof(ncclConfig_t),                                 /* size */                           \
+            0xcafebeef,                                       /* magic */                          \
             NCCL_VERSION(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH), /* version */                        \
-            NCCL_CONFIG_UNDEF_INT,                        /* blocking */                           \
-            NCCL_CONFIG_UNDEF_INT,                        /* cgaClusterSize */                     \
-            NCCL_CONFIG_UNDEF_INT,                        /* minCTAs */                            \
-            NCCL_CONFIG_UNDEF_INT,                        /* maxCTAs */                            \
-            NCCL_CONFIG_UNDEF_PTR,                        /* netName */                            \
-            NCCL_CONFIG_UNDEF_INT,                        /* splitShare */                         \
-            NCCL_CONFIG_UNDEF_INT,                        /* trafficClass */                       \
-            NCCL_CONFIG_UNDEF_PTR,                        /* commName */                           \
-            NCCL_CONFIG_UNDEF_INT,                        /* collnetEnable */                      \
-            NCCL_CONFIG_UNDEF_INT,                        /* CTAPolicy */                          \
-            NCCL_CONFIG_UNDEF_INT,                        /* shrinkShare */                        \
-            NCCL_CONFIG_UNDEF_INT,                        /* nvlsCTAs */                           \
-            NCCL_CONFIG_UNDEF_INT,                        /* nChannelsPerNetPeer */                \
-            NCCL_CONFIG_UNDEF_INT,                        /* nvlinkCentricSched */                 \
+            NCCL_CONFIG_UNDEF_INT,                            /* blocking */                       \
+            NCCL_CONFIG_UNDEF_INT,                            /* cgaClusterSize */                 \
+            NCCL_CONFIG_UNDEF_INT,                            /* minCTAs */                        \
+            NCCL_CONFIG_UNDEF_INT,                            /* maxCTAs */                        \
+            NCCL_CONFIG_UNDEF_PTR,                            /* netName */                        \
+            NCCL_CONFIG_UNDEF_INT,                            /* splitShare */                     \
+            NCCL_CONFIG_UNDEF_INT,                            /* trafficClass */                   \
+            NCCL_CONFIG_UNDEF_PTR,                            /* commName */                       \
+            NCCL_CONFIG_UNDEF_INT,                            /* collnetEnable */                  \
+            NCCL_CONFIG_UNDEF_INT,                            /* CTAPolicy */                      \
+            NCCL_CONFIG_UNDEF_INT,                            /* shrinkShare */                    \
+            NCCL_CONFIG_UNDEF_INT,                            /* nvlsCTAs */                       \
+            NCCL_CONFIG_UNDEF_INT,                            /* nChannelsPerNetPeer */            \
+            NCCL_CONFIG_UNDEF_INT,                            /* nvlinkCentricSched */             \
     }
 
 /* Reduction operations. ncclAvg is named for compatibility; the host
@@ -152,8 +152,7 @@ ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device);
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank);
 
 ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, int root, ncclComm_t comm,
-                           cudaStream_t stream);
+                           ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                            cudaStream_t stream);

@@ -1,0 +1,242 @@
+/* test_gpu_comm.c: the NCCL collectives backend (trainer/comm_nccl.c) on the
+ * host test runtime, one process per rank, through a real etcd round store.
+ *
+ *   test_gpu_comm CASE      (ctest runs each case as its own process, so a
+ *                            case's DUCTILE_FAILPOINTS is read fresh)
+ *
+ * Cases, each the test of one way the backend used to break:
+ *   host_buffers   host memory to every collective (the state sync's
+ *                  claims, a broadcast from the last rank, an all-reduce
+ *                  larger than one staging chunk): right values, no abort
+ *                  for a host pointer handed to NCCL;
+ *   finalize       a healthy communicator's comm_free finalizes and
+ *                  destroys it: nothing is aborted;
+ *   peer_system    a peer dies under a collective and the runtime says
+ *   peer_remote    ncclSystemError (or ncclRemoteError): the survivors get
+ *                  COMM_ERR_PEER, a peer's loss, not their own failure;
+ *   cancel         a peer never comes to the init, and the round is declared
+ *                  over (the cancel hook): the init ends COMM_ERR_ABORTED
+ *                  (or, on a rank that sees rank 0's root go first, a
+ *                  peer's loss), not after its 60 s deadline;
+ *   deadlines      the id wait and the init have a deadline each: a rank
+ *                  that waited most of its deadline for the id still has a
+ *                  whole one for the init (rank 0 comes 5 s late, rank 2
+ *                  9.5 s late, with 8 s deadlines);
+ *   staging_error  a failed staging copy (failpoint) is COMM_ERR_CUDA with
+ *                  the call named in the comm's error line.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ductile/clock.h"
+#include "ductile/comm.h"
+#include "ductile/elastic.h"
+#include "gpu_test.h"
+#include "rt.h"
+#include "test_comm_launch.h"
+#include "test_etcd.h"
+
+#define BIG_FLOATS ((size_t)5 << 20) /* 20 MiB: several staging chunks */
+
+/* A communicator of g's round for rank, with this config's deadline and hook. */
+static comm_err connect_with(tc_group *g, int rank, int timeout_ms, int (*cancelled)(void *),
+                             comm **out)
+{
+    rdzv_etcd e = {0};
+    e.endpoints = g->etcd;
+    rdzv_store *s = NULL;
+    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return COMM_ERR_STORE;
+    char why[COMM_MSG_MAX] = "";
+    comm_config cfg = {.rank = rank,
+                       .world_size = g->world,
+                       .store = s,
+                       .timeout_ms = timeout_ms,
+                       .device = 0,
+                       .msg = why,
+                       .cancelled = cancelled};
+    comm_err err = comm_nccl_init(&cfg, out);
+    if (err != COMM_OK) fprintf(stderr, "rank %d: init: %s: %s\n", rank, comm_strerror(err), why);
+    rdzv_store_close(s);
+    return err;
+}
+
+/* ---- host_buffers ---- */
+
+static int host_buffers_rank(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    int w = g->world;
+    comm *c = tc_connect_or_exit(g, rank);
+    elastic_claim mine = {1, rank, 10 * rank}, all[TC_MAX_RANKS];
+    CHECK_OR_RETURN(comm_allgather(c, &mine, sizeof(mine), all) == COMM_OK, "%s",
+                    comm_last_error(c));
+    for (int r = 0; r < w; r++)
+        CHECK_OR_RETURN(all[r].round == r && all[r].step == 10 * r, "claim of rank %d", r);
+    char text[64];
+    snprintf(text, sizeof(text), rank == w - 1 ? "from the last rank" : "not yet");
+    CHECK_OR_RETURN(comm_broadcast(c, text, sizeof(text), w - 1) == COMM_OK, "%s",
+                    comm_last_error(c));
+    CHECK_OR_RETURN(strcmp(text, "from the last rank") == 0, "rank %d got '%s'", rank, text);
+    float *big = malloc(sizeof(float) * BIG_FLOATS);
+    CHECK_OR_RETURN(big);
+    for (size_t i = 0; i < BIG_FLOATS; i++)
+        big[i] = (float)(i % 1000) + (float)rank;
+    CHECK_OR_RETURN(comm_allreduce_sum_f32(c, big, BIG_FLOATS) == COMM_OK, "%s",
+                    comm_last_error(c));
+    for (size_t i = 0; i < BIG_FLOATS; i++)
+        CHECK_OR_RETURN(big[i] == (float)w * (float)(i % 1000) + (float)(w * (w - 1) / 2),
+                        "rank %d: element %zu is %g", rank, i, big[i]);
+    free(big);
+    comm_free(c);
+    return 0;
+}
+
+/* ---- finalize ---- */
+
+static int finalize_rank(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
+    comm_free(c);
+    int clean = 0, aborted = 0;
+    rt_nccl_teardowns(&clean, &aborted);
+    CHECK_OR_RETURN(clean == 1 && aborted == 0, "rank %d: %d clean teardowns, %d aborts", rank,
+                    clean, aborted);
+    return 0;
+}
+
+/* ---- peer_system, peer_remote ---- */
+
+static int peer_rank(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
+    int last = g->world - 1;
+    if (rank == last) {
+        /* Gone once every survivor has its barrier (its frames may still be
+         * in flight until then): a pod lost, its sockets close. */
+        int64_t deadline = mono_now_ms() + 20000;
+        for (int r = 0; r < last; r++)
+            while (!g->shared->progress[r] && mono_now_ms() < deadline)
+                tc_sleep_ms(10);
+        _exit(0);
+    }
+    g->shared->progress[rank] = 1;
+    float x[16] = {1};
+    comm_err err = comm_allreduce_sum_f32(c, x, 16);
+    printf("  rank %d: %s (%s)\n", rank, comm_strerror(err), comm_last_error(c));
+    CHECK_OR_RETURN(err == COMM_ERR_PEER, "rank %d: a dead peer gave %s, want a peer's loss", rank,
+                    comm_strerror(err));
+    CHECK_OR_RETURN(comm_err_is_peer(err));
+    comm_free(c);
+    return 0;
+}
+
+/* ---- cancel ---- */
+
+static int64_t cancel_at;
+
+static int cancel_soon(void *ctx)
+{
+    (void)ctx;
+    return mono_now_ms() >= cancel_at;
+}
+
+static int cancel_rank(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = NULL;
+    if (rank == g->world - 1) {
+        tc_sleep_ms(3000); /* never joins, never fails: only the round's end tells */
+        return 0;
+    }
+    cancel_at = mono_now_ms() + 500;
+    comm_err err = connect_with(g, rank, 60000, cancel_soon, &c);
+    /* Rank 0 holds the bootstrap root: once it gives up, rank 1 may see
+     * that first (a peer's loss) instead of its own cancel. Either way the
+     * init ended long before its deadline. */
+    CHECK_OR_RETURN(err == COMM_ERR_ABORTED || (rank != 0 && err == COMM_ERR_PEER),
+                    "rank %d: init gave %s, want aborted", rank, comm_strerror(err));
+    CHECK_OR_RETURN(c == NULL);
+    return 0;
+}
+
+/* ---- deadlines ---- */
+
+static int deadlines_rank(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = NULL;
+    if (rank == 0) tc_sleep_ms(5000);  /* publishes the id late */
+    if (rank == 2) tc_sleep_ms(9500);  /* past rank 1's id wait plus what is left */
+    comm_err err = connect_with(g, rank, 8000, NULL, &c);
+    CHECK_OR_RETURN(err == COMM_OK, "rank %d: init gave %s", rank, comm_strerror(err));
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
+    comm_free(c);
+    return 0;
+}
+
+/* ---- staging_error (world 1, DUCTILE_FAILPOINTS set by ctest) ---- */
+
+static int staging_error(void)
+{
+    comm_config cfg = {.rank = 0, .world_size = 1, .timeout_ms = 10000, .device = 0};
+    comm *c = NULL;
+    CHECK_OR_RETURN(comm_nccl_init(&cfg, &c) == COMM_OK);
+    float x[4] = {1, 2, 3, 4};
+    comm_err err = comm_allreduce_sum_f32(c, x, 4);
+    printf("  staged all-reduce: %s (%s)\n", comm_strerror(err), comm_last_error(c));
+    CHECK(err == COMM_ERR_CUDA, "gave %s", comm_strerror(err));
+    CHECK(strstr(comm_last_error(c), "cudaMemcpyAsync") != NULL, "no call named in '%s'",
+          comm_last_error(c));
+    comm_free(c);
+    return check_failures() != 0;
+}
+
+typedef struct {
+    const char *name;
+    int world;
+    tc_rank_fn fn;
+} test_case;
+
+static const test_case cases[] = {
+    {"host_buffers", 3, host_buffers_rank}, {"finalize", 2, finalize_rank},
+    {"peer_system", 3, peer_rank},          {"peer_remote", 3, peer_rank},
+    {"cancel", 3, cancel_rank},             {"deadlines", 3, deadlines_rank},
+};
+
+int main(int argc, char **argv)
+{
+    gpu_test_require();
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_gpu_comm CASE\n");
+        return 2;
+    }
+    if (strcmp(argv[1], "staging_error") == 0) return staging_error();
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        if (strcmp(argv[1], cases[i].name) != 0) continue;
+        if (strcmp(argv[1], "peer_remote") == 0) setenv("DUCTILE_GPURT_PEER_ERROR", "remote", 1);
+        test_etcd e;
+        const char *etcd = test_etcd_shared_or_start(&e);
+        CHECK_OR_EXIT(etcd, "no etcd");
+        tc_group g;
+        char job[32]; /* job ids take no '_' */
+        snprintf(job, sizeof(job), "%s", cases[i].name);
+        for (char *p = job; *p; p++)
+            if (*p == '_') *p = '-';
+        CHECK_OR_EXIT(tc_group_open(&g, cases[i].world, etcd, job) == 0);
+        g.nccl = 1;
+        g.timeout_ms = 20000;
+        CHECK(tc_run(&g, cases[i].fn, NULL, 60) == 0, "%s: a rank failed", cases[i].name);
+        tc_group_free(&g);
+        test_etcd_stop(&e);
+        return check_finish(cases[i].name);
+    }
+    fprintf(stderr, "test_gpu_comm: unknown case %s\n", argv[1]);
+    return 2;
+}
