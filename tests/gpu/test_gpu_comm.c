@@ -127,13 +127,15 @@ static int peer_rank(tc_group *g, int rank, void *arg)
         _exit(0);
     }
     g->shared->progress[rank] = 1;
-    float x[16] = {1};
+    float *x = NULL; /* device memory: only the error's kind is under test */
+    CHECK_OR_RETURN(cudaMalloc((void **)&x, 16 * sizeof(float)) == cudaSuccess);
     comm_err err = comm_allreduce_sum_f32(c, x, 16);
     printf("  rank %d: %s (%s)\n", rank, comm_strerror(err), comm_last_error(c));
     CHECK_OR_RETURN(err == COMM_ERR_PEER, "rank %d: a dead peer gave %s, want a peer's loss", rank,
                     comm_strerror(err));
     CHECK_OR_RETURN(comm_err_is_peer(err));
     comm_free(c);
+    CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
     return 0;
 }
 

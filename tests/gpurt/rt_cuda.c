@@ -585,8 +585,9 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
 
 cudaError_t cudaStreamQuery(cudaStream_t s)
 {
-    rt_call("cuda", "cudaStreamQuery");
+    const char *a = rt_call("cuda", "cudaStreamQuery");
     check_stream(s);
+    if (is_action(a, "error")) return ret(cudaErrorLaunchFailure);
     rt_lock();
     int done = settle(s ? s : &legacy);
     cudaError_t e = sticky ? sticky : done ? cudaSuccess : cudaErrorNotReady;
@@ -665,7 +666,8 @@ static int event_done(cudaEvent_t e)
 cudaError_t cudaEventQuery(cudaEvent_t e)
 {
     if (!e) return ret(cudaErrorInvalidResourceHandle);
-    rt_call("cuda", "cudaEventQuery");
+    const char *a = rt_call("cuda", "cudaEventQuery");
+    if (is_action(a, "error")) return ret(cudaErrorLaunchFailure);
     rt_lock();
     int done = event_done(e);
     cudaError_t err = sticky ? sticky : done ? cudaSuccess : cudaErrorNotReady;
