@@ -148,45 +148,56 @@ err:
 
 /* Teardown: a failure is kept as the context's error (gpu_status), though
  * whoever tears down has nothing left to do about it. */
+static void dfree(gpu_ctx *g, void *p)
+{
+    if (p) cuda_ok(g, cudaFree(p), "cudaFree");
+}
+
+static void hfree(gpu_ctx *g, void *p)
+{
+    if (p) cuda_ok(g, cudaFreeHost(p), "cudaFreeHost");
+}
+
+static void efree(gpu_ctx *g, cudaEvent_t e)
+{
+    if (e) cuda_ok(g, cudaEventDestroy(e), "cudaEventDestroy");
+}
+
 static void free_mirror(gpu_ctx *g)
 {
     if (g->compute) cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaStreamSynchronize (compute)");
     if (g->copy) cuda_ok(g, cudaStreamSynchronize(g->copy), "cudaStreamSynchronize (copy)");
     for (int i = 0; i < MODEL_MAX_LAYERS; i++) {
-        cudaFree(g->out[i]);
-        cudaFree(g->dout[i]);
-        cudaFree(g->argmax[i]);
+        dfree(g, g->out[i]);
+        dfree(g, g->dout[i]);
+        dfree(g, g->argmax[i]);
     }
-    cudaFree(g->weights);
-    cudaFree(g->grads);
-    cudaFree(g->col);
-    cudaFree(g->dcol);
-    cudaFree(g->dwtmp);
-    cudaFree(g->probs);
-    cudaFree(g->loss);
-    cudaFree(g->state);
-    cudaFreeHost(g->hloss);
-    cudaFreeHost(g->hlogits);
+    void *dev[] = {g->weights, g->grads, g->col, g->dcol, g->dwtmp, g->probs, g->loss, g->state};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
+        dfree(g, dev[i]);
+    hfree(g, g->hloss);
+    hfree(g, g->hlogits);
     for (int s = 0; s < 2; s++) {
-        cudaFree(g->dx[s]);
-        cudaFree(g->dy[s]);
-        cudaFreeHost(g->hx[s]);
-        cudaFreeHost(g->hy[s]);
-        if (g->copied[s]) cudaEventDestroy(g->copied[s]);
-        if (g->consumed[s]) cudaEventDestroy(g->consumed[s]);
+        dfree(g, g->dx[s]);
+        dfree(g, g->dy[s]);
+        hfree(g, g->hx[s]);
+        hfree(g, g->hy[s]);
+        efree(g, g->copied[s]);
+        efree(g, g->consumed[s]);
     }
     for (int i = 0; i < MODEL_MAX_PARAMS; i++)
-        if (g->marks[i]) cudaEventDestroy(g->marks[i]);
+        efree(g, g->marks[i]);
 }
 
+/* Teardown: errors are kept as the context's (see free_mirror). */
 void gpu_ctx_free(gpu_ctx *g)
 {
     if (!g) return;
-    cudaSetDevice(g->device);
+    cuda_ok(g, cudaSetDevice(g->device), "cudaSetDevice");
     free_mirror(g);
-    if (g->blas) cublasDestroy(g->blas);
-    if (g->copy) cudaStreamDestroy(g->copy);
-    if (g->compute) cudaStreamDestroy(g->compute);
+    if (g->blas) blas_ok(g, cublasDestroy(g->blas), "cublasDestroy");
+    if (g->copy) cuda_ok(g, cudaStreamDestroy(g->copy), "cudaStreamDestroy (copy)");
+    if (g->compute) cuda_ok(g, cudaStreamDestroy(g->compute), "cudaStreamDestroy (compute)");
     free(g);
 }
 
@@ -289,7 +300,7 @@ static void *dalloc(gpu_ctx *g, size_t bytes)
     if (!cuda_ok(g, cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc")) return NULL;
     if (!cuda_ok(g, cudaMemsetAsync(p, 0, bytes ? bytes : 1, g->compute), "cudaMemset") ||
         !cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaMemset")) {
-        cudaFree(p);
+        dfree(g, p);
         return NULL;
     }
     return p;
@@ -396,7 +407,7 @@ static int state_ready(gpu_ctx *g, const optim *o)
 {
     size_t n = o->n * (size_t)o->nstate;
     if (g->state && g->state_floats == n) return 0;
-    cudaFree(g->state);
+    dfree(g, g->state);
     g->state_floats = 0;
     if (!(g->state = dalloc(g, sizeof(float) * n))) return -1;
     g->state_floats = n;
