@@ -174,14 +174,14 @@ static int on_device(const void *p)
 /* Copies a staged chunk between the bounce buffers on the comm's stream. */
 static comm_err stage_copy(nccl_comm *g, int to_device, size_t off, size_t bytes)
 {
-    cudaError_t e =
-        to_device ? cudaMemcpyAsync(g->dev_stage + off, g->host_stage + off, bytes,
-                                    cudaMemcpyHostToDevice, g->stream)
-                  : cudaMemcpyAsync(g->host_stage + off, g->dev_stage + off, bytes,
-                                    cudaMemcpyDeviceToHost, g->stream);
+    cudaError_t e = to_device ? cudaMemcpyAsync(g->dev_stage + off, g->host_stage + off, bytes,
+                                                cudaMemcpyHostToDevice, g->stream)
+                              : cudaMemcpyAsync(g->host_stage + off, g->dev_stage + off, bytes,
+                                                cudaMemcpyDeviceToHost, g->stream);
     if (e != cudaSuccess)
-        return cuda_fail(g, to_device ? "staging host memory: cudaMemcpyAsync to the device"
-                                      : "staging host memory: cudaMemcpyAsync to the host",
+        return cuda_fail(g,
+                         to_device ? "staging host memory: cudaMemcpyAsync to the device"
+                                   : "staging host memory: cudaMemcpyAsync to the host",
                          e);
     return COMM_OK;
 }
@@ -250,8 +250,10 @@ static comm_err nccl_allgather(comm *c, const void *send, size_t bytes, void *re
         return nccl_finish(g, "ncclAllGather", r);
     }
     if (sdev || rdev)
-        return comm_fail(c, COMM_ERR_ARG, "rank %d: allgather: send and recv must both be host "
-                         "or both device memory", c->rank);
+        return comm_fail(c, COMM_ERR_ARG,
+                         "rank %d: allgather: send and recv must both be host "
+                         "or both device memory",
+                         c->rank);
     /* Chunks of `per` bytes from every rank, gathered in place in the stage. */
     size_t world = (size_t)c->world_size, per = NCCL_STAGE_BYTES / world;
     size_t mine = (size_t)c->rank;
@@ -333,8 +335,8 @@ static void nccl_destroy(comm *c)
 }
 
 static const comm_ops nccl_ops = {
-    "nccl",          nccl_allreduce, nccl_broadcast, nccl_allgather,
-    nccl_barrier,    nccl_wait_event, nccl_abort,    nccl_destroy,
+    "nccl",       nccl_allreduce,  nccl_broadcast, nccl_allgather,
+    nccl_barrier, nccl_wait_event, nccl_abort,     nccl_destroy,
 };
 
 static void hex_encode(const unsigned char *in, size_t n, char *out)

@@ -165,7 +165,8 @@ static void efree(gpu_ctx *g, cudaEvent_t e)
 
 static void free_mirror(gpu_ctx *g)
 {
-    if (g->compute) cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaStreamSynchronize (compute)");
+    if (g->compute)
+        cuda_ok(g, cudaStreamSynchronize(g->compute), "cudaStreamSynchronize (compute)");
     if (g->copy) cuda_ok(g, cudaStreamSynchronize(g->copy), "cudaStreamSynchronize (copy)");
     for (int i = 0; i < MODEL_MAX_LAYERS; i++) {
         dfree(g, g->out[i]);

@@ -20,6 +20,16 @@
 
 #define GPU_TEST_SKIP 77
 
+/* The small MLP the DDP tests train (three buckets at a 1000-byte cap). */
+#define GPU_TEST_MLP                                                                               \
+    {                                                                                              \
+        .kind = MODEL_MLP, .in_c = 1, .in_h = 8, .in_w = 8, .classes = 10, .nhidden = 2,           \
+        .hidden = {                                                                                \
+            64,                                                                                    \
+            32                                                                                     \
+        }                                                                                          \
+    }
+
 static inline void gpu_test_require(void)
 {
     char why[256];

@@ -174,8 +174,8 @@ static int deadlines_rank(tc_group *g, int rank, void *arg)
 {
     (void)arg;
     comm *c = NULL;
-    if (rank == 0) tc_sleep_ms(5000);  /* publishes the id late */
-    if (rank == 2) tc_sleep_ms(9500);  /* past rank 1's id wait plus what is left */
+    if (rank == 0) tc_sleep_ms(5000); /* publishes the id late */
+    if (rank == 2) tc_sleep_ms(9500); /* past rank 1's id wait plus what is left */
     comm_err err = connect_with(g, rank, 8000, NULL, &c);
     CHECK_OR_RETURN(err == COMM_OK, "rank %d: init gave %s", rank, comm_strerror(err));
     CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
@@ -207,9 +207,12 @@ typedef struct {
 } test_case;
 
 static const test_case cases[] = {
-    {"host_buffers", 3, host_buffers_rank}, {"finalize", 2, finalize_rank},
-    {"peer_system", 3, peer_rank},          {"peer_remote", 3, peer_rank},
-    {"cancel", 3, cancel_rank},             {"deadlines", 3, deadlines_rank},
+    {"host_buffers", 3, host_buffers_rank},
+    {"finalize", 2, finalize_rank},
+    {"peer_system", 3, peer_rank},
+    {"peer_remote", 3, peer_rank},
+    {"cancel", 3, cancel_rank},
+    {"deadlines", 3, deadlines_rank},
 };
 
 int main(int argc, char **argv)

@@ -31,13 +31,7 @@
 #define BATCH 16
 #define BUCKET_CAP 1000 /* bytes: three buckets for the model below */
 
-static const model_config cfg = {.kind = MODEL_MLP,
-                                 .in_c = 1,
-                                 .in_h = 8,
-                                 .in_w = 8,
-                                 .classes = 10,
-                                 .nhidden = 2,
-                                 .hidden = {64, 32}};
+static const model_config cfg = GPU_TEST_MLP;
 
 typedef enum { RUN_CPU, RUN_GPU, RUN_NCCL, RUN_NCCL_NO_OVERLAP } run_kind;
 

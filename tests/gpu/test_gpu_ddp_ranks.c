@@ -119,19 +119,17 @@ static int rank_main(tc_group *g, int rank, void *arg)
             model_loss(m, BATCH);
             model_backward(m, BATCH, 1.0f / (2 * BATCH), ddp_mark_ready, r);
             de = ddp_finish(r, &stop);
-            CHECK_OR_RETURN(de == DDP_OK, "rank %d: step %d: %s: %s", rank, step,
-                            ddp_strerror(de), ddp_last_error(r));
+            CHECK_OR_RETURN(de == DDP_OK, "rank %d: step %d: %s: %s", rank, step, ddp_strerror(de),
+                            ddp_last_error(r));
         }
         /* Only rank 0 voted: the summed flag stops every rank at once. */
-        CHECK_OR_RETURN(stop == (step == STEPS - 1), "rank %d: step %d: stop %d", rank, step,
-                        stop);
+        CHECK_OR_RETURN(stop == (step == STEPS - 1), "rank %d: step %d: stop %d", rank, step, stop);
         optim_step(o, m, 0.05f);
         ddp_zero_grad(r);
         CHECK_OR_RETURN(gpu_status(m, msg) == 0, "rank %d: step %d: %s", rank, step, msg);
     }
     float count = (float)(rank + 1); /* an evaluation count, in host memory */
-    CHECK_OR_RETURN(ddp_allreduce(r, &count, 1) == DDP_OK, "rank %d: %s", rank,
-                    ddp_last_error(r));
+    CHECK_OR_RETURN(ddp_allreduce(r, &count, 1) == DDP_OK, "rank %d: %s", rank, ddp_last_error(r));
     res->count[rank] = count;
     CHECK_OR_RETURN(gpu_download(m, o, msg) == 0, "rank %d: %s", rank, msg);
     memcpy(res->params[rank], m->weights, sizeof(float) * m->nfloats);

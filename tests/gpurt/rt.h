@@ -70,8 +70,8 @@ void rt_need(const char *call, const char *arg, const void *p, size_t bytes, uns
 /* ---- streams and ops ---- */
 
 typedef enum {
-    RT_DONE = 0,   /* finished; the op is popped and dropped */
-    RT_PENDING,    /* not yet (a collective waiting for its peers): ask again later */
+    RT_DONE = 0, /* finished; the op is popped and dropped */
+    RT_PENDING,  /* not yet (a collective waiting for its peers): ask again later */
 } rt_state;
 
 #define RT_MAX_ACCESS 6

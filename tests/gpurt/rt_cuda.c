@@ -80,7 +80,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static block *blocks;
 static struct CUstream_st legacy = {.id = 0};
 static struct CUstream_st *all_streams = &legacy; /* every stream ever made: reachable */
-static uint64_t id_clock[RT_MAX_STREAMS];       /* never reset, so a reused id stays monotonic */
+static uint64_t id_clock[RT_MAX_STREAMS];         /* never reset, so a reused id stays monotonic */
 static int id_used[RT_MAX_STREAMS] = {1};
 static vclock host_vc;
 static cudaError_t sticky = cudaSuccess;
@@ -165,7 +165,7 @@ static block *find_block(const void *p)
 
 static const char *kind_name(rt_mem k)
 {
-    return k == RT_MEM_DEVICE ? "device memory (cudaMalloc)"
+    return k == RT_MEM_DEVICE   ? "device memory (cudaMalloc)"
            : k == RT_MEM_PINNED ? "pinned host memory (cudaMallocHost)"
                                 : "pageable host memory";
 }
@@ -721,7 +721,7 @@ typedef struct {
     void *dst;
     const void *src;
     size_t bytes;
-    int value; /* memset: the byte; -1 for a copy */
+    int value;    /* memset: the byte; -1 for a copy */
     void *staged; /* a pageable source copied at the call, as CUDA does */
 } copy_op;
 
@@ -765,9 +765,11 @@ static cudaError_t copy(void *dst, const void *src, size_t bytes, enum cudaMemcp
         int want_d = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
         int want_s = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
         if (d_dev != want_d)
-            rt_die("%s: dst=%p is %s but the kind is %s", call, dst, kind_name(dk), kind_word(kind));
+            rt_die("%s: dst=%p is %s but the kind is %s", call, dst, kind_name(dk),
+                   kind_word(kind));
         if (s_dev != want_s)
-            rt_die("%s: src=%p is %s but the kind is %s", call, src, kind_name(sk), kind_word(kind));
+            rt_die("%s: src=%p is %s but the kind is %s", call, src, kind_name(sk),
+                   kind_word(kind));
     }
     copy_op *c = calloc(1, sizeof(*c));
     if (!c) return ret(cudaErrorMemoryAllocation);
@@ -807,8 +809,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
     return copy(dst, src, bytes, kind, s, 0, "cudaMemcpyAsync");
 }
 
-static cudaError_t set(void *p, int value, size_t bytes, cudaStream_t s, int sync,
-                       const char *call)
+static cudaError_t set(void *p, int value, size_t bytes, cudaStream_t s, int sync, const char *call)
 {
     const char *a = rt_call("cuda", call);
     check_stream(s);
