@@ -12,10 +12,12 @@
 # 4. prints a summary table. Exit 0 when every test passed, 1 if one failed,
 #    77 without a device (with the reason). Meant to finish in under 5 minutes.
 #
-# Multi-rank NCCL (several GPUs) is not exercised here: one GPU cannot host
-# it. The shared DDP engine is tested multi-rank on CPU over the TCP ring
-# (tests/trainer: identical bucket order, N ranks vs one), and the NCCL
-# backend's single-rank path runs here (gpu_ddp_nccl).
+# The tests run with NCCL_CHECK_POINTERS=1 (NCCL checks every buffer it is
+# handed). Multi-rank NCCL (several GPUs) is not exercised here: one GPU
+# cannot host it. It runs in `make test` on the host test runtime
+# (-DDUCTILE_GPU_RUNTIME=host: gpu_ddp_ranks at world 2 and 3, gpu_comm.*,
+# the GPU e2e), and the NCCL backend's single-rank path runs here
+# (gpu_ddp_nccl, the state sync's claim included).
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build-gpu}
@@ -39,7 +41,8 @@ cat "$tmp/probe"
 [ $rc = 0 ] || exit $rc
 gpu_name=$(head -1 "$tmp/probe")
 
-echo "== GPU tests"
+echo "== GPU tests (NCCL_CHECK_POINTERS=1)"
+export NCCL_CHECK_POINTERS=1
 results=""
 failed=0
 for t in gpu_kernels gpu_ddp_nccl gpu_train; do
@@ -98,6 +101,6 @@ else
     printf '%-22s %12s %12s\n' "cuBLAS SGEMM 4096^3" "$sg" "unknown"
 fi
 echo "(peak: published dense FP32 of the device; CPU: $(nproc) cores, OpenBLAS)"
-echo "multi-rank NCCL not exercised: one GPU (covered on CPU by the ring tests)"
+echo "multi-rank NCCL not exercised: one GPU (make test runs it on the host test runtime)"
 echo "total $(($(date +%s) - start)) s"
 exit $failed

@@ -5,15 +5,14 @@
  * communicator of one rank, the communication thread waiting on each
  * bucket's CUDA event before its all-reduce, no_sync accumulation, the stop
  * flag carried through the last bucket, host buffers broadcast and reduced
- * through device staging. Twenty optimizer steps of that must give exactly
- * the parameters of the same GPU run without a communicator (a one-rank
- * all-reduce is a copy), with and without overlap, and the CPU run's
- * parameters within 1e-3 (relative L2 and max: float rounding in cuBLAS vs
- * OpenBLAS summation order, compounded over 20 steps). Then an aborted
+ * (the NCCL backend stages them), the state sync with a claim. Twenty optimizer steps of that must
+ * give exactly the parameters of the same GPU run without a communicator (a one-rank all-reduce is
+ * a copy), with and without overlap, and the CPU run's parameters within 1e-3 (relative L2 and max:
+ * float rounding in cuBLAS vs OpenBLAS summation order, compounded over 20 steps). Then an aborted
  * communicator must fail the next step at once, not hang it.
  *
- * Several ranks cannot be exercised with one GPU: the multi-rank DDP engine
- * is the same code, tested on CPU over the TCP ring (tests/trainer).
+ * Several ranks cannot be exercised with one GPU: test_gpu_ddp_ranks runs
+ * them on the host test runtime (every rank its own process and "device").
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,6 +76,14 @@ static int run(run_kind kind, float *params, int *buckets)
           "%s: host collectives: %s", run_name[kind], ddp_last_error(r));
     CHECK(memcmp(host, want, sizeof(host)) == 0, "%s: host collectives changed the values",
           run_name[kind]);
+    /* The state sync with a claim: one rank's own state wins, unchanged. */
+    elastic_claim mine = {1, 4, 2}, best = {0, 0, 0};
+    elastic_part part = {host, sizeof(host)};
+    int root = -1;
+    CHECK(ddp_sync_state(r, c ? &mine : NULL, &part, 1, &root, &best) == DDP_OK, "%s: sync: %s",
+          run_name[kind], ddp_last_error(r));
+    CHECK(root == 0 && (!c || best.step == 2) && memcmp(host, want, sizeof(host)) == 0,
+          "%s: state sync: root %d, best step %lld", run_name[kind], root, (long long)best.step);
     if (m->dev && gpu_upload(m, o, msg) != 0) CHECK(0, "%s: upload: %s", run_name[kind], msg);
 
     uint64_t rng = 99;
