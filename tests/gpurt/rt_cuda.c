@@ -260,11 +260,10 @@ static cudaError_t free_block(void *p, rt_mem kind, const char *call)
         if (inside) rt_die("%s(%p): not the start of a %s block", call, p, kind_name(kind));
         return ret(cudaErrorInvalidValue);
     }
-    /* What can still run, runs (CUDA's free waits for the device); work
-     * that cannot (a hung op, a collective whose peers never come) would
-     * make the real call block or the device read freed memory. */
-    for (cudaStream_t s = all_streams; s; s = s->next_all)
-        rt_pump(s);
+    /* Queued work that still uses the block is reported, not run: CUDA's
+     * free waits for the device, but code that frees before it waits for
+     * the stream is one reorder away from freeing under a kernel (and a
+     * hung op or a collective whose peers never come would block it). */
     cudaStream_t on = NULL;
     rt_op *user = queued_user(b, &on);
     if (user)

@@ -13,7 +13,9 @@
  *                  product checked for cuBLAS's column-major layout);
  *   past_end       kern_scale over one float more than the cudaMalloc block;
  *   race           a kernel on stream B reads what one on stream A wrote,
- *                  no event between (twin: cudaEventRecord + cudaStreamWaitEvent).
+ *                  no event between (twin: cudaEventRecord + cudaStreamWaitEvent);
+ *   free_queued    cudaFree of a block a queued kernel still writes (twin: the
+ *                  stream synchronised first).
  * Two cases hold no death: stale (a host read of a cudaMemcpyAsync
  * destination before cudaStreamSynchronize sees the old value, after it the
  * new one: the lazy queue's semantics) and gemm_invalid (sizes and leading
@@ -285,6 +287,34 @@ static void test_race(void)
 
 /* ---- a host read before the copy has run ---- */
 
+/* ---- cudaFree under queued work ---- */
+
+static void free_queued(int wait)
+{
+    cudaStream_t s = new_stream();
+    float *d = dev_floats(N);
+    CHECK_OR_EXIT(kern_fill(d, N, 2.0f, s) == 0, "kern_fill");
+    if (wait) CHECK_OR_EXIT(cudaStreamSynchronize(s) == cudaSuccess, "cudaStreamSynchronize");
+    cudaFree(d);
+    cudaStreamDestroy(s);
+}
+
+static void free_queued_bad(void)
+{
+    free_queued(0);
+}
+
+static void free_queued_good(void)
+{
+    free_queued(1);
+}
+
+static void test_free_queued(void)
+{
+    expect_death(free_queued_bad, "cudaFree", "still uses this memory");
+    expect_clean(free_queued_good, "cudaFree after the stream's work is done");
+}
+
 static void test_stale(void)
 {
     cudaStream_t s = new_stream();
@@ -352,11 +382,9 @@ int main(int argc, char **argv)
     setenv("DUCTILE_GPURT_DEVICES", "1", 0); /* cuBLAS needs a device; ctest sets it too */
     unsetenv("DUCTILE_FAILPOINTS");
     static const check_case cases[] = {
-        {"host_pointer", test_host_pointer},
-        {"pinned_gemm", test_pinned_gemm},
-        {"past_end", test_past_end},
-        {"race", test_race},
-        {"stale", test_stale},
+        {"host_pointer", test_host_pointer}, {"pinned_gemm", test_pinned_gemm},
+        {"past_end", test_past_end},         {"race", test_race},
+        {"free_queued", test_free_queued},   {"stale", test_stale},
         {"gemm_invalid", test_gemm_invalid},
     };
     check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
