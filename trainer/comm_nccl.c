@@ -66,13 +66,16 @@ static void pause_briefly(void)
     nanosleep(&ts, NULL);
 }
 
-/* Tears the communicator down with whatever is in flight. */
+/* Tears the communicator down with whatever is in flight, and waits for its
+ * stream: the aborted kernels end, so nothing of this comm stays queued on
+ * buffers the caller frees next (the reducer's buckets go before the comm). */
 static void nccl_break(nccl_comm *g)
 {
     if (g->nc && !g->broken) {
         g->broken = 1;
-        ncclCommAbort(g->nc); /* its result changes nothing: the comm is gone */
+        (void)ncclCommAbort(g->nc); /* its result changes nothing: the comm is gone */
         g->nc = NULL;
+        if (g->stream) (void)cudaStreamSynchronize(g->stream);
     }
 }
 
