@@ -14,6 +14,9 @@
  *   peer_system    a peer dies under a collective and the runtime says
  *   peer_remote    ncclSystemError (or ncclRemoteError): the survivors get
  *                  COMM_ERR_PEER, a peer's loss, not their own failure;
+ *   peer_free_first  the same, then the buffer is freed before the comm (the
+ *                  reducer's order): the failed collective left nothing queued
+ *                  on it (the runtime reports a free under queued work);
  *   cancel         a peer never comes to the init, and the round is declared
  *                  over (the cancel hook): the init ends COMM_ERR_ABORTED
  *                  (or, on a rank that sees rank 0's root go first, a
@@ -113,7 +116,7 @@ static int finalize_rank(tc_group *g, int rank, void *arg)
 
 static int peer_rank(tc_group *g, int rank, void *arg)
 {
-    (void)arg;
+    int free_first = arg != NULL; /* the reducer's order: its buckets go before the comm */
     comm *c = tc_connect_or_exit(g, rank);
     CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
     int last = g->world - 1;
@@ -134,8 +137,9 @@ static int peer_rank(tc_group *g, int rank, void *arg)
     CHECK_OR_RETURN(err == COMM_ERR_PEER, "rank %d: a dead peer gave %s, want a peer's loss", rank,
                     comm_strerror(err));
     CHECK_OR_RETURN(comm_err_is_peer(err));
+    if (free_first) CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
     comm_free(c);
-    CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
+    if (!free_first) CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
     return 0;
 }
 
@@ -211,6 +215,7 @@ static const test_case cases[] = {
     {"finalize", 2, finalize_rank},
     {"peer_system", 3, peer_rank},
     {"peer_remote", 3, peer_rank},
+    {"peer_free_first", 3, peer_rank},
     {"cancel", 3, cancel_rank},
     {"deadlines", 3, deadlines_rank},
 };
@@ -237,7 +242,8 @@ int main(int argc, char **argv)
         CHECK_OR_EXIT(tc_group_open(&g, cases[i].world, etcd, job) == 0);
         g.nccl = 1;
         g.timeout_ms = 20000;
-        CHECK(tc_run(&g, cases[i].fn, NULL, 60) == 0, "%s: a rank failed", cases[i].name);
+        void *arg = strcmp(argv[1], "peer_free_first") == 0 ? (void *)1 : NULL;
+        CHECK(tc_run(&g, cases[i].fn, arg, 60) == 0, "%s: a rank failed", cases[i].name);
         tc_group_free(&g);
         test_etcd_stop(&e);
         return check_finish(cases[i].name);
