@@ -740,6 +740,24 @@ static void drop_copy(rt_op *op)
     free(op);
 }
 
+/* A copy of bytes from src to dst (value -1), or a memset of dst to value;
+ * its accesses declared. NULL when out of memory. */
+static copy_op *copy_op_new(const char *call, void *dst, const void *src, size_t bytes, int value)
+{
+    copy_op *c = calloc(1, sizeof(*c));
+    if (!c) return NULL;
+    c->op.name = call;
+    c->op.run = run_copy;
+    c->op.drop = drop_copy;
+    c->dst = dst;
+    c->src = src;
+    c->bytes = bytes;
+    c->value = value;
+    if (src) rt_op_access(&c->op, src, bytes, 0);
+    rt_op_access(&c->op, dst, bytes, 1);
+    return c;
+}
+
 static const char *kind_word(enum cudaMemcpyKind k)
 {
     static const char *w[] = {"cudaMemcpyHostToHost", "cudaMemcpyHostToDevice",
@@ -770,17 +788,8 @@ static cudaError_t copy(void *dst, const void *src, size_t bytes, enum cudaMemcp
             rt_die("%s: src=%p is %s but the kind is %s", call, src, kind_name(sk),
                    kind_word(kind));
     }
-    copy_op *c = calloc(1, sizeof(*c));
+    copy_op *c = copy_op_new(call, dst, src, bytes, -1);
     if (!c) return ret(cudaErrorMemoryAllocation);
-    c->op.name = call;
-    c->op.run = run_copy;
-    c->op.drop = drop_copy;
-    c->dst = dst;
-    c->src = src;
-    c->bytes = bytes;
-    c->value = -1;
-    rt_op_access(&c->op, src, bytes, 0);
-    rt_op_access(&c->op, dst, bytes, 1);
     /* Pageable memory: CUDA copies the source before returning, and a copy
      * into pageable memory is done when the call returns. */
     if (sk == RT_MEM_UNKNOWN && d_dev) {
@@ -816,15 +825,8 @@ static cudaError_t set(void *p, int value, size_t bytes, cudaStream_t s, int syn
     if (is_action(a, "error")) return ret(cudaErrorInvalidValue);
     if (bytes == 0) return cudaSuccess;
     rt_need(call, "devPtr", p, bytes, RT_NEED_DEVICE);
-    copy_op *c = calloc(1, sizeof(*c));
+    copy_op *c = copy_op_new(call, p, NULL, bytes, value & 0xff);
     if (!c) return ret(cudaErrorMemoryAllocation);
-    c->op.name = call;
-    c->op.run = run_copy;
-    c->op.drop = drop_copy;
-    c->dst = p;
-    c->bytes = bytes;
-    c->value = value & 0xff;
-    rt_op_access(&c->op, p, bytes, 1);
     cudaError_t e = rt_enqueue(s, &c->op, a);
     if (e != cudaSuccess) return e;
     if (sync) rt_wait_stream(s);
