@@ -16,6 +16,7 @@
 #include "master.h"
 #include "options.h"
 #include "standalone.h"
+#include "watchdog.h"
 #include "workers.h"
 
 #include "ductile/clock.h"
@@ -33,6 +34,7 @@
 #include <string.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef enum {
@@ -53,8 +55,9 @@ typedef struct agent {
     agent_standalone sa;
     int sigfd;
     agent_workers ws;
-    rdzv_round round; /* current or last round; number 0 = none yet */
-    int in_round;     /* round is frozen and has not ended */
+    agent_watchdog wd; /* the progress watchdog (--hang-timeout) */
+    rdzv_round round;  /* current or last round; number 0 = none yet */
+    int in_round;      /* round is frozen and has not ended */
     rdzv_round pending;
     int have_pending;
     agent_state state;
@@ -211,12 +214,15 @@ static void worker_failed(agent *a, const char *reason, int first_hand)
 static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
 {
     agent *a = ctx;
+    agent_watchdog_heard(&a->wd, w, m, mono_now_s());
     switch (m->type) {
     case CTL_READY:
         w->ready = 1;
         break;
     case CTL_STEP:
         w->step = m->step;
+        break;
+    case CTL_PHASE: /* the watchdog's alone */
         break;
     case CTL_FAILED:
     case CTL_PEER_LOST: {
@@ -352,6 +358,13 @@ static void launch_round(agent *a, const char *maddr, int mport)
     char prefix[320];
     (void)rdzv_store_prefix(a->o->job, rd->number, prefix, sizeof(prefix)); /* job id checked */
     if (a->o->inplace && workers_alive(a) == a->o->nproc) {
+        /* A stopped or wedged worker would fail the new round's group for
+         * everyone: it ends here, as this node's failure, and the node's
+         * workers start afresh. */
+        double now = mono_now_s();
+        for (int i = 0; i < a->ws.n; i++)
+            if (agent_watchdog_silent(&a->ws.w[i], now))
+                agent_watchdog_kill(&a->wd, &a->ws.w[i], &a->lg);
         send_round(a, me, maddr, mport, prefix);
         a->state = AGENT_RUNNING;
         dlog_info(&a->lg, "workers_kept", "round %lld: %d workers kept, ranks %d..%d",
@@ -592,7 +605,7 @@ static void on_reaped(agent *a, pid_t pid, int status)
     if (!a->ws.w) return;
     agent_worker *w = agent_workers_reaped(&a->ws, pid, status);
     if (!w) return;
-    char how[96], reason[300];
+    char how[256], reason[320];
     agent_worker_describe(w, how, sizeof(how));
     snprintf(reason, sizeof(reason), "worker rank %d %s", w->rank, how);
     int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
@@ -659,9 +672,21 @@ static void on_signalfd(agent *a)
     }
 }
 
+/* The progress watchdog: while workers train (or, in place, wait for a
+ * round), a hung one is killed; its reaping ends the round as this node's
+ * failure. */
+static void check_hung(agent *a, double now)
+{
+    if (a->state != AGENT_RUNNING && !(a->state == AGENT_RDZV && a->o->inplace)) return;
+    for (int i = 0; a->ws.w && i < a->ws.n; i++)
+        if (agent_watchdog_hung(&a->wd, &a->ws.w[i], now))
+            agent_watchdog_kill(&a->wd, &a->ws.w[i], &a->lg);
+}
+
 static void check_deadlines(agent *a)
 {
     double now = mono_now_s();
+    check_hung(a, now);
     if (a->kill_at > 0 && now >= a->kill_at) {
         a->kill_at = 0;
         if (workers_alive(a)) {
@@ -703,6 +728,22 @@ static void publish(agent *a)
     memcpy(s.changes, a->changes, sizeof(s.changes));
     s.ready = a->state == AGENT_RUNNING && a->in_round && workers_alive(a) == a->o->nproc;
     s.heartbeat = mono_now_s();
+    s.hangs = a->wd.hangs;
+    /* Prometheus wants wall-clock timestamps: the monotonic times of progress
+     * are turned into Unix times here, for the page alone. */
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    double unix_now = (double)wall.tv_sec + wall.tv_nsec / 1e9;
+    for (int i = 0; a->ws.w && i < a->ws.n && s.nworkers < AGENT_SNAPSHOT_WORKERS; i++) {
+        const agent_worker *w = &a->ws.w[i];
+        if (w->exited) continue;
+        agent_worker_snapshot *ws = &s.workers[s.nworkers++];
+        ws->rank = w->rank;
+        ws->local_rank = w->local_rank;
+        ws->step = w->step;
+        ws->progress_unix = w->progress_at > 0 ? unix_now - (s.heartbeat - w->progress_at) : 0;
+        snprintf(ws->phase, sizeof(ws->phase), "%s", w->phase);
+    }
     agent_http_publish(a->http, &s);
 }
 
@@ -735,6 +776,8 @@ static void run_loop(agent *a)
         double now = mono_now_s(), next = now + 1.0;
         if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
         if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
+        double hang_at = agent_watchdog_next(&a->wd, &a->ws);
+        if (hang_at > 0 && hang_at < next) next = hang_at;
         int timeout = next > now ? (int)((next - now) * 1000.0) + 1 : 0;
         int got = poll(pfd, (nfds_t)n, timeout);
         if (got < 0 && errno != EINTR) {
@@ -790,6 +833,7 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
     a.lg = *lg;
     a.exit_after_stop = -1;
     a.sigfd = sigfd;
+    a.wd.fixed_s = o->hang_timeout_ms / 1000.0;
     agent_master_init(&a.master);
     curl_global_init(CURL_GLOBAL_DEFAULT);
 

@@ -70,6 +70,22 @@ static int metrics_text(const agent_snapshot *s, char *out, size_t len)
     for (int c = 1; c < RDZV_CAUSE_COUNT; c++)
         EMIT("ductile_membership_changes_total{cause=\"%s\"} %lld\n", rdzv_cause_name(c),
              (long long)s->changes[c]);
+    EMIT("# HELP ductile_worker_hangs_total Workers of this node the progress watchdog killed.\n"
+         "# TYPE ductile_worker_hangs_total counter\nductile_worker_hangs_total %lld\n",
+         (long long)s->hangs);
+    EMIT("# HELP ductile_worker_step Last step a running worker reported.\n"
+         "# TYPE ductile_worker_step gauge\n");
+    for (int i = 0; i < s->nworkers; i++)
+        EMIT("ductile_worker_step{rank=\"%d\",local_rank=\"%d\"} %lld\n", s->workers[i].rank,
+             s->workers[i].local_rank, (long long)s->workers[i].step);
+    EMIT("# HELP ductile_worker_last_progress_timestamp_seconds Unix time of a running worker's "
+         "last progress (a new step or phase; 0 before any).\n"
+         "# TYPE ductile_worker_last_progress_timestamp_seconds gauge\n");
+    for (int i = 0; i < s->nworkers; i++)
+        EMIT("ductile_worker_last_progress_timestamp_seconds{rank=\"%d\",local_rank=\"%d\","
+             "phase=\"%s\"} %.3f\n",
+             s->workers[i].rank, s->workers[i].local_rank, s->workers[i].phase,
+             s->workers[i].progress_unix);
 #undef EMIT
     return 0;
 }
@@ -101,10 +117,15 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return reply(c, MHD_HTTP_OK, "text/plain", "ready\n");
     }
     if (strcmp(url, "/metrics") == 0) {
-        char body[4096];
-        if (metrics_text(&s, body, sizeof(body)) != 0)
+        size_t cap = 4096 + 512 * (size_t)s.nworkers;
+        char *body = malloc(cap);
+        if (!body || metrics_text(&s, body, cap) != 0) {
+            free(body);
             return reply(c, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", "metrics too large\n");
-        return reply(c, MHD_HTTP_OK, "text/plain; version=0.0.4", body);
+        }
+        enum MHD_Result r = reply(c, MHD_HTTP_OK, "text/plain; version=0.0.4", body);
+        free(body);
+        return r;
     }
     return reply(c, MHD_HTTP_NOT_FOUND, "text/plain", "not found\n");
 }

@@ -8,6 +8,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Workers of this node listed one by one in /metrics (the first ones). */
+#define AGENT_SNAPSHOT_WORKERS 128
+
+typedef struct agent_worker_snapshot {
+    int rank, local_rank;
+    int64_t step;         /* last step it reported, 0 before one */
+    double progress_unix; /* Unix time of its last progress (step or phase); 0: none yet */
+    char phase[32];       /* last phase it reported, "" before one */
+} agent_worker_snapshot;
+
 typedef struct agent_snapshot {
     int64_t round;
     int members;
@@ -18,6 +28,9 @@ typedef struct agent_snapshot {
     int64_t changes[RDZV_CAUSE_COUNT]; /* by rdzv_cause */
     int ready;
     double heartbeat; /* mono_now_s() of the loop's last pass */
+    int64_t hangs;    /* workers the progress watchdog killed */
+    int nworkers;     /* running workers listed in workers[] */
+    agent_worker_snapshot workers[AGENT_SNAPSHOT_WORKERS];
 } agent_snapshot;
 
 typedef struct agent_http agent_http;

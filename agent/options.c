@@ -37,6 +37,7 @@ typedef enum {
     OPT_JOIN_TIMEOUT,
     OPT_SHUTDOWN_TIMEOUT,
     OPT_STOP_GRACE,
+    OPT_HANG_TIMEOUT,
     OPT_REBUILD,
     OPT_STANDALONE,
     OPT_HTTP_PORT,
@@ -86,6 +87,11 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_STOP_GRACE] = {"stop-grace", "DUCTILE_STOP_GRACE", "SECONDS", "5",
                         "between SIGTERM and SIGKILL when stopping workers for a new round (a "
                         "graceful change gives them --shutdown-timeout to finish the step)"},
+    [OPT_HANG_TIMEOUT] = {"hang-timeout", "DUCTILE_HANG_TIMEOUT", "SECONDS|auto", "auto",
+                          "kill a worker that reported a step and then makes no progress in "
+                          "local work, or falls silent, this long (waits on peers are bounded "
+                          "by the worker's own timeouts); auto: 10x the longest local stretch "
+                          "seen on this node, at least 120 (1..86400)"},
     [OPT_REBUILD] = {"rebuild", "DUCTILE_REBUILD", "restart|inplace", "restart",
                      "restart: relaunch workers each round; inplace: keep them, send "
                      "rounds on DUCTILE_CONTROL_FD"},
@@ -267,6 +273,11 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
     case OPT_STOP_GRACE:
         if (parse_secs(v, 0, 3600, &o->stop_grace_ms) == 0) return 0;
         snprintf(why, len, "'%s' is not a number of seconds in 0..3600", v);
+        return -1;
+    case OPT_HANG_TIMEOUT:
+        if (strcmp(v, "auto") == 0) return o->hang_timeout_ms = 0, 0;
+        if (parse_secs(v, 1, 86400, &o->hang_timeout_ms) == 0) return 0;
+        snprintf(why, len, "'%s' is not auto or a number of seconds in 1..86400", v);
         return -1;
     case OPT_REBUILD:
         if (strcmp(v, "restart") == 0) return o->inplace = 0, 0;

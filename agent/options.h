@@ -22,6 +22,7 @@ typedef struct agent_opts {
     int join_timeout_ms;
     int shutdown_timeout_ms;
     int stop_grace_ms;
+    int hang_timeout_ms; /* 0: auto */
     int inplace;
     int standalone;
     int http_port;

@@ -254,6 +254,7 @@ void agent_workers_signal(agent_workers *ws, int sig)
 
 int agent_worker_first_hand(const agent_worker *w)
 {
+    if (w->hung[0]) return 1; /* its agent's watchdog killed it: hung here */
     if (WIFSIGNALED(w->status)) {
         int sig = WTERMSIG(w->status);
         return sig <= 0 || sig >= 32 || !(w->sent & (1u << sig));
@@ -344,7 +345,9 @@ void agent_workers_free(agent_workers *ws)
 
 void agent_worker_describe(const agent_worker *w, char *out, size_t len)
 {
-    if (!w->exited) {
+    if (w->hung[0]) {
+        snprintf(out, len, "%s", w->hung);
+    } else if (!w->exited) {
         snprintf(out, len, "is running");
     } else if (WIFEXITED(w->status)) {
         snprintf(out, len, "exited with code %d", WEXITSTATUS(w->status));

@@ -35,8 +35,15 @@ typedef struct agent_worker {
     int status; /* waitpid status once exited */
     int64_t step;
     int ready;
-    int failed_reported; /* sent "failed" in this round */
-    unsigned sent;       /* bit 1u << sig for each signal the agent sent it */
+    /* The progress watchdog's view (watchdog.c); times are mono_now_s(). */
+    int watched;               /* said `step`: the watchdog bounds it */
+    int beats;                 /* says `phase`, so repeats it (CTL_HEARTBEAT_MS) */
+    char phase[CTL_PHASE_MAX]; /* last `phase`, "" before the first */
+    double progress_at;        /* last new step or change of phase */
+    double heard_at;           /* last message of any kind */
+    char hung[200];            /* why the watchdog killed it; "" if it did not */
+    int failed_reported;       /* sent "failed" in this round */
+    unsigned sent;             /* bit 1u << sig for each signal the agent sent it */
 } agent_worker;
 
 typedef struct agent_workers {
@@ -72,7 +79,8 @@ int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *con
  * ended (not yet reaped) is not sent it: its end stays its own. */
 void agent_workers_signal(agent_workers *ws, int sig);
 /* 1 when a reaped worker's end is its own failure (the failure-counting
- * rule's first-hand): killed by a signal the agent did not send it, or
+ * rule's first-hand): killed by the watchdog as hung, killed by a signal
+ * the agent did not send it, or
  * exited non-zero, other than CTL_EXIT_PEER_LOST, before the agent sent it
  * any signal. Which way a reap and a round's end race does not change it. */
 int agent_worker_first_hand(const agent_worker *w);

@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,20 @@ struct elastic {
     elastic_round next; /* the newest announced round */
     char buf[CTL_MAX_LINE + 1];
     size_t nbuf;
+    /* Progress: the loop sets these; the thread tells the agent. */
+    _Atomic int64_t step; /* last finished step, -1 before one */
+    _Atomic int phase;    /* elastic_phase */
+    int64_t sent_step;    /* the thread's own: what it last said */
+    int sent_phase;
+    int64_t sent_at; /* mono_now_ms() of its last `phase` */
+};
+
+static const char *const phase_names[] = {
+    [ELASTIC_PHASE_COMPUTE] = "compute",
+    [ELASTIC_PHASE_COMM] = CTL_PHASE_COMM,
+    [ELASTIC_PHASE_REBUILD] = CTL_PHASE_REBUILD,
+    [ELASTIC_PHASE_EVAL] = "eval",
+    [ELASTIC_PHASE_SAVE] = "save",
 };
 
 const char *elastic_strerror(elastic_err err)
@@ -141,6 +156,31 @@ static int read_channel(elastic *e)
     return 0;
 }
 
+static void send_line(elastic *e, const ctl_msg *m);
+
+/* Tells the agent what the loop does: a new step at once, the phase when it
+ * changes and every CTL_HEARTBEAT_MS anyway (the agent's watchdog hears a
+ * live process whatever its loop is doing). Only after the first step: a
+ * trainer that never finished one is not watched. */
+static void send_progress(elastic *e)
+{
+    int64_t step = atomic_load(&e->step);
+    if (step < 0) return;
+    int phase = atomic_load(&e->phase);
+    int64_t now = mono_now_ms();
+    if (step != e->sent_step) {
+        send_line(e, &(ctl_msg){.type = CTL_STEP, .step = step});
+        e->sent_step = step;
+    }
+    if (phase != e->sent_phase || now - e->sent_at >= CTL_HEARTBEAT_MS) {
+        ctl_msg m = {.type = CTL_PHASE};
+        snprintf(m.phase, sizeof(m.phase), "%s", phase_names[phase]);
+        send_line(e, &m);
+        e->sent_phase = phase;
+        e->sent_at = now;
+    }
+}
+
 static void *control_thread(void *arg)
 {
     elastic *e = arg;
@@ -149,6 +189,7 @@ static void *control_thread(void *arg)
         int quit = e->quit, closed = e->closed;
         pthread_mutex_unlock(&e->mu);
         if (quit || closed) break;
+        send_progress(e);
         /* The timeout only bounds how long elastic_close() waits for quit. */
         struct pollfd p = {.fd = e->fd, .events = POLLIN};
         int r = poll(&p, 1, 50);
@@ -172,6 +213,10 @@ elastic_err elastic_open(int fd, int64_t round, elastic **out)
     e->fd = fd;
     e->current = round;
     e->ending = e->lost = -1;
+    atomic_init(&e->step, -1);
+    atomic_init(&e->phase, ELASTIC_PHASE_COMPUTE);
+    e->sent_step = -1;
+    e->sent_phase = -1;
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->wmu, NULL);
     if (mono_cond_init(&e->cv) != 0) goto err_cond;
@@ -252,8 +297,14 @@ static void send_line(elastic *e, const ctl_msg *m)
 
 void elastic_report_step(elastic *e, int64_t step)
 {
-    ctl_msg m = {.type = CTL_STEP, .step = step};
-    send_line(e, &m);
+    if (!e) return;
+    atomic_store(&e->phase, ELASTIC_PHASE_COMPUTE);
+    atomic_store(&e->step, step);
+}
+
+void elastic_set_phase(elastic *e, elastic_phase phase)
+{
+    if (e) atomic_store(&e->phase, phase);
 }
 
 /* A failure report: REASON is the rest of the line, so no line breaks. */

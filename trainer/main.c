@@ -279,7 +279,9 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
             t->st.pos = 0;
             *epoch_ended = 1;
         }
+        elastic_set_phase(t->el, ELASTIC_PHASE_COMM);
         ddp_err de = ddp_finish(t->r, stop);
+        elastic_set_phase(t->el, ELASTIC_PHASE_COMPUTE);
         if (de != DDP_OK)
             return trainer_fail(t, "rank %d: step %lld: %s: %s", t->g.rank, (long long)t->st.step,
                                 ddp_strerror(de), ddp_last_error(t->r));
@@ -296,6 +298,7 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
     optim_step(t->opt, t->m, lr);
     ddp_zero_grad(t->r);
     t->st.step++;
+    elastic_report_step(t->el, t->st.step);
     return 0;
 }
 
@@ -308,6 +311,7 @@ static int evaluate(trainer *t, double *accuracy)
     float correct = 0;
     int32_t ids[1024];
     double t0 = mono_now_s();
+    elastic_set_phase(t->el, ELASTIC_PHASE_EVAL);
     for (int i = lo; i < hi;) {
         int count = hi - i < t->m->max_batch ? hi - i : t->m->max_batch;
         count = count < 1024 ? count : 1024;
@@ -318,7 +322,10 @@ static int evaluate(trainer *t, double *accuracy)
         correct += (float)model_correct(t->m, count);
         i += count;
     }
-    if (ddp_allreduce(t->r, &correct, 1) != DDP_OK)
+    elastic_set_phase(t->el, ELASTIC_PHASE_COMM);
+    ddp_err de = ddp_allreduce(t->r, &correct, 1);
+    elastic_set_phase(t->el, ELASTIC_PHASE_COMPUTE);
+    if (de != DDP_OK)
         return trainer_fail(t, "rank %d: evaluation: %s", t->g.rank, ddp_last_error(t->r));
     *accuracy = (double)correct / n;
     t->eval_seconds += mono_now_s() - t0;
@@ -327,27 +334,34 @@ static int evaluate(trainer *t, double *accuracy)
 
 /* ---- checkpoints ---- */
 
-static void save_checkpoint(trainer *t)
+/* Rank 0 writes the state; a failure is said, training goes on, and -1
+ * keeps the records since the last checkpoint uncommitted. */
+static int write_checkpoint(trainer *t)
 {
     char path[4096], msg[TRAINER_MSG_MAX];
-    if (!t->o.checkpoint_dir) return;
-    if (t->g.rank == 0) {
-        t->st.optim_t = t->opt->t;
-        if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0) {
-            dlog_warn(&t->log, NULL, "checkpoint at step %lld not saved: %s", (long long)t->st.step,
-                      msg);
-            return;
-        }
-        ckpt_err e = ckpt_save(t->o.checkpoint_dir, &t->st, t->m->weights, t->m->nfloats,
-                               t->opt->state, t->opt->n * t->opt->nstate, path, msg);
-        if (e != CKPT_OK) {
-            dlog_warn(&t->log, NULL, "checkpoint at step %lld not saved, training on: %s",
-                      (long long)t->st.step, msg);
-            return;
-        }
-        say(t, "checkpoint %s", path);
+    t->st.optim_t = t->opt->t;
+    if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0) {
+        dlog_warn(&t->log, NULL, "checkpoint at step %lld not saved: %s", (long long)t->st.step,
+                  msg);
+        return -1;
     }
-    commit_records(t);
+    ckpt_err e = ckpt_save(t->o.checkpoint_dir, &t->st, t->m->weights, t->m->nfloats, t->opt->state,
+                           t->opt->n * t->opt->nstate, path, msg);
+    if (e != CKPT_OK) {
+        dlog_warn(&t->log, NULL, "checkpoint at step %lld not saved, training on: %s",
+                  (long long)t->st.step, msg);
+        return -1;
+    }
+    say(t, "checkpoint %s", path);
+    return 0;
+}
+
+static void save_checkpoint(trainer *t)
+{
+    if (!t->o.checkpoint_dir) return;
+    elastic_set_phase(t->el, ELASTIC_PHASE_SAVE);
+    if (t->g.rank != 0 || write_checkpoint(t) == 0) commit_records(t);
+    elastic_set_phase(t->el, ELASTIC_PHASE_COMPUTE);
 }
 
 /* The one state sync (ddp_sync_state): every rank takes the same position,
@@ -667,6 +681,7 @@ static loop_state trainer_regroup(trainer *t, const char *why)
     link.cancelled = elastic_cancelled;
     link.cancel_ctx = t->el;
     int64_t start_step = t->start_step, start_samples = t->start_samples;
+    elastic_set_phase(t->el, ELASTIC_PHASE_REBUILD);
     for (;;) {
         elastic_attach(t->el, NULL, t->g.round);
         ddp_reducer_free(t->r);
@@ -706,6 +721,7 @@ static loop_state trainer_regroup(trainer *t, const char *why)
         t->start_samples = start_samples;
         say(t, "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld",
             (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch);
+        elastic_set_phase(t->el, ELASTIC_PHASE_COMPUTE);
         return LOOP_TRAIN;
     }
 }

@@ -33,7 +33,25 @@
  *
  * worker -> agent (all optional; a worker that never writes is fine)
  *   ready           set up for the current round
- *   step K          finished step K (used for progress in logs)
+ *   step K          finished step K; the next step's local work begins
+ *   phase NAME      what the worker does now, one word [a-z_]{1,31}: comm
+ *                   (waiting on peers in a collective) and rebuild (building
+ *                   the next round's group, agreeing on state, waiting for a
+ *                   round) wait on other processes and are bounded by the
+ *                   worker's own deadlines; every other name (compute, eval,
+ *                   save, data, ...) is local work. A worker that says
+ *                   `phase` says it again at least every CTL_HEARTBEAT_MS
+ *                   while it lives (from a thread of its own, so a long
+ *                   local step still shows the process is there).
+ *                   The progress watchdog (--hang-timeout BOUND): once a
+ *                   worker has said `step`, its agent kills it, as this
+ *                   node's first-hand failure, when it stays in one local
+ *                   phase with no new step for BOUND, or says nothing at
+ *                   all for BOUND; and, in inplace mode, when a new round
+ *                   would keep a worker that says `phase` but has been
+ *                   silent for CTL_SILENT_MS (a stopped or wedged process is
+ *                   never carried into the next round). A worker that never
+ *                   says `step` is not watched.
  *   failed REASON   this worker failed first-hand (not because a peer went
  *                   away); REASON is the rest of the line. The agent ends the
  *                   round as a failure, which counts against --max-restarts,
@@ -70,6 +88,15 @@
 #define CTL_MAX_LINE 1024
 /* The longest REASON of `failed` and `peer_lost`, with its NUL. */
 #define CTL_REASON_MAX 512
+/* The longest NAME of `phase`, with its NUL. */
+#define CTL_PHASE_MAX 32
+/* The phases that wait on other processes (not watched for progress). */
+#define CTL_PHASE_COMM "comm"
+#define CTL_PHASE_REBUILD "rebuild"
+/* A worker that says `phase` repeats it at least this often. */
+#define CTL_HEARTBEAT_MS 1000
+/* Silence, from a worker that says `phase`, that keeps it out of a new round. */
+#define CTL_SILENT_MS (5 * CTL_HEARTBEAT_MS)
 /* The longest ADDR and PREFIX of `round`, with their NUL. */
 #define CTL_ADDR_MAX 256
 #define CTL_PREFIX_MAX 512
@@ -132,6 +159,7 @@ typedef enum {
     CTL_STEP,      /* worker -> agent */
     CTL_FAILED,    /* worker -> agent */
     CTL_PEER_LOST, /* worker -> agent */
+    CTL_PHASE,     /* worker -> agent */
 } ctl_type;
 
 typedef struct ctl_msg {
@@ -148,6 +176,7 @@ typedef struct ctl_msg {
     int master_port;
     char store_prefix[CTL_PREFIX_MAX];
     int64_t step;                /* STEP */
+    char phase[CTL_PHASE_MAX];   /* PHASE */
     char reason[CTL_REASON_MAX]; /* FAILED, PEER_LOST */
 } ctl_msg;
 
@@ -170,6 +199,22 @@ static inline int ctl_copy(char *dst, size_t len, const char *src)
     if (n >= len) return -1;
     memcpy(dst, src, n + 1);
     return 0;
+}
+
+/* 1 when name is a valid phase name: [a-z_]{1,31}. */
+static inline int ctl_phase_valid(const char *name)
+{
+    size_t n = strlen(name);
+    if (n == 0 || n >= CTL_PHASE_MAX) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!((name[i] >= 'a' && name[i] <= 'z') || name[i] == '_')) return 0;
+    return 1;
+}
+
+/* 1 when a worker in this phase waits on other processes (comm, rebuild). */
+static inline int ctl_phase_waits(const char *name)
+{
+    return strcmp(name, CTL_PHASE_COMM) == 0 || strcmp(name, CTL_PHASE_REBUILD) == 0;
 }
 
 /* Parses one line (with or without its '\n'). Returns 0 and fills *m, or -1
@@ -210,6 +255,10 @@ static inline int ctl_parse(const char *line, ctl_msg *m)
     } else if (strcmp(w[0], "step") == 0 && nw == 2) {
         if (ctl_int(w[1], 0, INT64_MAX, &m->step)) return -1;
         m->type = CTL_STEP;
+    } else if (strcmp(w[0], "phase") == 0 && nw == 2) {
+        if (!ctl_phase_valid(w[1])) return -1;
+        memcpy(m->phase, w[1], strlen(w[1]) + 1);
+        m->type = CTL_PHASE;
     } else if (strcmp(w[0], "abort") == 0 && (nw == 2 || nw == 3)) {
         if (ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
         if (nw == 3 && strcmp(w[2], "graceful") == 0)
@@ -265,6 +314,10 @@ static inline int ctl_format(const ctl_msg *m, char *out, size_t len)
         break;
     case CTL_STEP:
         n = snprintf(out, len, "step %" PRId64 "\n", m->step);
+        break;
+    case CTL_PHASE:
+        if (!ctl_phase_valid(m->phase)) return -1;
+        n = snprintf(out, len, "phase %s\n", m->phase);
         break;
     case CTL_FAILED:
         if (strchr(m->reason, '\n')) return -1;

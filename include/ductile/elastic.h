@@ -80,10 +80,26 @@ int elastic_inplace(elastic *e);
 int elastic_cancelled(void *ctx);
 /* 1 when the current round has been told to end: vote to stop. */
 int elastic_ending(elastic *e);
-/* Progress and failure reports to the agent (best effort): `step K`,
- * `failed WHY` (a first-hand failure) and `peer_lost ROUND WHY` (a peer
- * vanished in ROUND, or ROUND's group could not be built). */
+/* What the training loop does, for the agent's progress watchdog
+ * (control.h: `phase`): local work, or a wait on other processes (comm,
+ * rebuild) that the trainer's own deadlines bound. */
+typedef enum {
+    ELASTIC_PHASE_COMPUTE, /* forward, backward, the optimizer, the data */
+    ELASTIC_PHASE_COMM,    /* waiting for a collective */
+    ELASTIC_PHASE_REBUILD, /* between rounds: the next group, the state sync */
+    ELASTIC_PHASE_EVAL,    /* scoring the test set */
+    ELASTIC_PHASE_SAVE,    /* writing a checkpoint */
+} elastic_phase;
+
+/* Progress and failure reports to the agent (best effort). Step K finished
+ * (the loop is computing again) and the phase are only recorded: the
+ * control thread says `step K` at once and `phase NAME` when it changes and
+ * every CTL_HEARTBEAT_MS, from the first step on. `failed WHY` (a
+ * first-hand failure) and `peer_lost ROUND WHY` (a peer vanished in ROUND,
+ * or ROUND's group could not be built) are sent by the caller. Both setters
+ * take NULL (no agent). */
 void elastic_report_step(elastic *e, int64_t step);
+void elastic_set_phase(elastic *e, elastic_phase phase);
 void elastic_report_failed(elastic *e, const char *why);
 void elastic_report_peer_lost(elastic *e, int64_t round, const char *why);
 

@@ -191,6 +191,8 @@ def case_bad_flags(job):
         ["--log-format", "xml"], ["--http-port", "70000"], ["--rdzv-id", "Bad_Id"],
         ["--node-id", "a b"], ["--standalone=maybe"], ["--no-such-flag", "1"], ["--nnodes"],
         ["--leave-exit-code", "256"], ["--leave-exit-code", "-1"],
+        ["--hang-timeout", "0"], ["--hang-timeout", "-5"], ["--hang-timeout", "1e9"],
+        ["--hang-timeout", "never"], ["--hang-timeout", "inf"], ["--hang-timeout", ""],
     ]
     base = ["--rdzv-endpoint", ETCD, "--rdzv-id", "j"]
     for flags in bad:
@@ -215,7 +217,7 @@ def case_bad_flags(job):
     for flag in ["nnodes", "nproc-per-node", "rdzv-endpoint", "rdzv-id", "max-restarts",
                  "node-id", "node-addr", "lease-ttl", "last-call", "join-timeout",
                  "shutdown-timeout", "rebuild", "standalone", "http-port", "log-format",
-                 "leave-exit-code",
+                 "leave-exit-code", "hang-timeout",
                  "etcd-cacert", "etcd-cert", "etcd-key", "etcd-user", "etcd-password"]:
         check("--" + flag in r.stdout, "--help lacks --" + flag)
         check("DUCTILE_" + flag.upper().replace("-", "_") in r.stdout, "--help lacks env of " + flag)
@@ -389,6 +391,38 @@ def case_worker_crash(job):
     check(all(w["TORCHELASTIC_RESTART_COUNT"] == "2" for w in ws), "restart count 2")
     check(re.search(r"worker rank \d+ was killed by SIG(SEGV|ABRT)", a.log()), "crash reason logged")
     check(re.search(r"worker rank \d+ exited with code 3", b.log()), "exit code logged")
+    check(a.alive() and b.alive(), "agents carry on")
+
+
+def case_watchdog(job):
+    """A worker that reported steps and then goes silent (hung, its sockets
+    open) is killed by its own agent after --hang-timeout, counted once as
+    that node's failure, and shown in /metrics; the other node is not blamed."""
+    job.flags += FAST + ["--nnodes", "2", "--max-restarts", "2"]
+    port = free_port()
+    a = job.start("node-a")
+    b = job.start("node-b", ["--hang-timeout", "2", "--http-port", str(port)])
+    r1 = job.wait_round(2, 60)
+    w = workers_of(job, b)[0]
+    step_re = r'^ductile_worker_step\{rank="\d+",local_rank="0"\} ([1-9]\d*)$'
+    wait_for(lambda: re.search(step_re, http_get(port, "/metrics")[1], re.M), 20,
+             "a worker's step in /metrics")
+    text = http_get(port, "/metrics")[1]
+    m = re.search(r'^ductile_worker_last_progress_timestamp_seconds\{rank="\d+",local_rank="0",'
+                  r'phase="[a-z_]*"\} ([0-9.]+)$', text, re.M)
+    check(m and abs(float(m.group(1)) - time.time()) < 120,
+          "last progress is a Unix time of now: %s" % (m and m.group(0)))
+    check(re.search(r"^ductile_worker_hangs_total 0$", text, re.M), "no hang yet")
+    job.command(w["_pid"], "hang")
+    job.wait_round(2, 60, newer_than=r1)
+    check(re.search(r"worker rank \d+ \(pid %d\) hung: silent for [0-9.]+ s "
+                    r"\(--hang-timeout 2 s\).*killing it" % w["_pid"], b.log()),
+          "one line on the hang: %s" % b.log()[-600:])
+    check(not pid_alive(w["_pid"]), "the hung worker was killed")
+    wait_for(lambda: re.search(r"^ductile_worker_hangs_total 1$", http_get(port, "/metrics")[1],
+                               re.M), 10, "the hang counted in /metrics")
+    check(job_restarts(job) == 1, "one restart counted, got %s" % job_restarts(job))
+    check(not re.search(r"\(pid \d+\) hung:", a.log()), "node-a's worker killed for node-b's hang")
     check(a.alive() and b.alive(), "agents carry on")
 
 

@@ -48,6 +48,9 @@ int main(void)
         {.type = CTL_STOP},
         {.type = CTL_READY},
         {.type = CTL_STEP, .step = 123456789012LL},
+        {.type = CTL_PHASE, .phase = "compute"},
+        {.type = CTL_PHASE, .phase = "comm"},
+        {.type = CTL_PHASE, .phase = "a_phase_name_of_thirtyone_lette"},
         {.type = CTL_FAILED, .reason = "allreduce: peer 3 closed the connection"},
         {.type = CTL_FAILED, .reason = ""},
     };
@@ -85,6 +88,11 @@ int main(void)
         "round 1 0 2 0 0 1 0 a 1 /p/ extra",              /* extra word */
         "round 99999999999999999999 0 2 0 0 1 0 a 1 /p/", /* overflow */
         "ROUND 1 0 2 0 0 1 0 a 1 /p/",
+        "phase",
+        "phase COMM",
+        "phase comm extra",
+        "phase c0mm",
+        "phase a_phase_name_of_thirtytwo_letter", /* one too long */
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         if (ctl_parse(bad[i], &out) == 0) {
@@ -101,6 +109,10 @@ int main(void)
     char buf[64];
     CHECK(ctl_format(&nl, buf, sizeof(buf)) < 0);
     CHECK(ctl_format(&m, buf, 8) < 0); /* does not fit */
+    ctl_msg badphase = {.type = CTL_PHASE, .phase = "no spaces"};
+    CHECK(ctl_format(&badphase, buf, sizeof(buf)) < 0);
+    CHECK(ctl_phase_waits("comm") && ctl_phase_waits("rebuild") && !ctl_phase_waits("compute") &&
+          !ctl_phase_waits("save"));
     ctl_msg none = {.type = CTL_INVALID};
     CHECK(ctl_format(&none, buf, sizeof(buf)) < 0);
     if (check_failures()) return 1;

@@ -178,12 +178,13 @@ class Job:
     """One training job: etcd, agents, the shared record file and checkpoint dir."""
 
     def __init__(self, env, name, mode, nnodes="2:4", epochs=None, etcd=None, extra=(),
-                 ttl=3, max_restarts=1000, agent_env=None):
+                 ttl=3, max_restarts=1000, agent_env=None, agent_args=()):
         self.ttl = ttl
         # Membership changes never use the restart budget: scenarios without a
         # first-hand crash run with none (--max-restarts 0).
         self.max_restarts = max_restarts
         self.agent_env = agent_env
+        self.agent_args = list(agent_args)
         self.env = env
         self.name = name
         self.mode = mode
@@ -215,7 +216,8 @@ class Job:
     def gpu_args(self):
         return ["--dump-params", self.params] if self.env.device == "cuda" else []
 
-    def start(self, name=None, node_id=None, endpoint=None, prefix=(), ckpt=None, nnodes=None):
+    def start(self, name=None, node_id=None, endpoint=None, prefix=(), ckpt=None, nnodes=None,
+              worker_prefix=()):
         self.count += 1
         name = name or "n%d" % self.count
         cmd = list(prefix) + [
@@ -223,7 +225,8 @@ class Job:
             "--rdzv-endpoint", endpoint or self.etcd.endpoint, "--rdzv-id", self.job,
             "--node-id", node_id or name, "--node-addr", "127.0.0.1", "--lease-ttl", str(self.ttl),
             "--last-call", "1", "--rebuild", self.mode, "--max-restarts", str(self.max_restarts),
-            "--stop-grace", "3", "--shutdown-timeout", "20", "--"] + self.train_args(ckpt)
+            "--stop-grace", "3", "--shutdown-timeout", "20"] + self.agent_args + [
+            "--"] + list(worker_prefix) + self.train_args(ckpt)
         env = dict(self.agent_env or {})
         if self.env.device == "cuda":
             env.setdefault("DUCTILE_GPURT_DEVICES", "1")
@@ -507,6 +510,69 @@ def sc_slow_node(env, mode, ref):
         job.cleanup()
 
 
+def sc_hung_worker(env, mode, ref):
+    # A worker that hangs with its sockets open (SIGSTOP) is killed by its
+    # own agent's watchdog, counted once as that node's failure, and the job
+    # goes on: its peers are not blamed, and the hung process is never
+    # carried into the next round.
+    job = env.job("hung-worker-" + mode, mode, max_restarts=3, agent_args=["--hang-timeout", "4"])
+    try:
+        start_three(job)
+        a = job.agents["n2"]
+        pid = a.workers()[0]
+        log("SIGSTOP worker %d of n2" % pid)
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: re.search(r"\(pid \d+\) hung:", a.text()), 60,
+                 "n2's watchdog to kill its hung worker")
+        verify(job, ref)
+        check(not os.path.exists("/proc/%d" % pid), "the hung worker %d still exists" % pid)
+        hung = [ln for ln in a.text().splitlines() if re.search(r"\(pid \d+\) hung:", ln)]
+        check(hung and "killing it" in hung[0], "no watchdog line on n2: %s" % tail(a.text(), 5))
+        log("n2: %s" % hung[0])
+        counts = [int(m) for ag in job.agents.values()
+                  for m in re.findall(r"restarts now (\d+)", ag.text())]
+        check(counts and max(counts) == 1, "restarts recorded %s: want exactly one" % counts)
+        for ag in job.agents.values():
+            if ag is a:
+                continue
+            check(not re.search(r"\(pid \d+\) hung:", ag.text()),
+                  "%s's worker was killed for n2's hang" % ag.name)
+    finally:
+        job.cleanup()
+
+
+def sc_stuck_step(env, mode, ref):
+    # One trainer's step 12 computes for 30 s (a wedged data loader, a kernel
+    # that never returns) while its process stays alive and says so: its
+    # agent kills it after --hang-timeout of no progress in local work. Its
+    # peers wait for it in a collective the while, which is not watched:
+    # they are neither killed nor blamed.
+    job = env.job("stuck-step-" + mode, mode, max_restarts=3, agent_args=["--hang-timeout", "5"])
+    try:
+        # Only the first trainer of n2 is stuck: the one its agent starts
+        # after the kill trains normally.
+        once = os.path.join(job.dir, "stuck-once")
+        wrapper = ["sh", "-c", 'if mkdir "$0" 2>/dev/null; then '
+                   'export DUCTILE_FAILPOINTS="train.step=12:sleep:30000"; fi; exec "$@"', once]
+        job.start()
+        stuck = job.start(worker_prefix=wrapper)
+        job.start()
+        verify(job, ref)
+        hung = [ln for ln in stuck.text().splitlines() if re.search(r"\(pid \d+\) hung:", ln)]
+        check(hung and "no progress" in hung[0] and "phase compute" in hung[0],
+              "no watchdog line for the stuck step on %s: %s" % (stuck.name, tail(stuck.text(), 5)))
+        log("%s: %s" % (stuck.name, hung[0]))
+        for ag in job.agents.values():
+            if ag is not stuck:
+                check(not re.search(r"\(pid \d+\) hung:", ag.text()),
+                      "%s's waiting worker was killed" % ag.name)
+        counts = [int(m) for ag in job.agents.values()
+                  for m in re.findall(r"restarts now (\d+)", ag.text())]
+        check(counts and max(counts) == 1, "restarts recorded %s: want exactly one" % counts)
+    finally:
+        job.cleanup()
+
+
 def sc_duplicate_id(env, mode, ref):
     job = env.job("duplicate-id-" + mode, mode)
     try:
@@ -666,13 +732,16 @@ SCENARIOS = collections.OrderedDict([
     ("slow_node", (sc_slow_node, ("inplace",))),
     ("disk_full", (sc_disk_full, ("restart",))),
     ("duplicate_id", (sc_duplicate_id, ("inplace",))),
+    ("hung_worker", (sc_hung_worker, ("inplace", "restart"))),
+    ("stuck_step", (sc_stuck_step, ("inplace", "restart"))),
 ])
 CHAOS = collections.OrderedDict([("chaos", (sc_chaos, ("inplace", "restart")))])
 CHAOS_EPOCHS = 40
 GPU_CORE = ["agent_kill:inplace", "agent_kill:restart", "scale_up:inplace", "scale_up:restart",
             "hot_spare:inplace", "hot_spare:restart"]
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
-        "scale_up:restart", "etcd_pause:inplace"]
+        "scale_up:restart", "etcd_pause:inplace", "hung_worker:inplace",
+        "stuck_step:restart"]
 
 
 class Env:
