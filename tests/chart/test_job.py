@@ -195,18 +195,6 @@ def test_checksum_covers_the_whole_pod_template(render):
     assert re.fullmatch(r"[0-9a-f]{64}", checksum(a))
 
 
-@pytest.mark.parametrize("kube,ok", [("v1.30.0", False), ("v1.31.0", True), ("v1.35.0", True)])
-def test_job_kind_needs_kubernetes_1_31(render, kube, ok):
-    if ok:
-        assert render(kube_version=kube).workers()["kind"] == "Job"
-    else:
-        with pytest.raises(helm.HelmRenderError, match="needs Kubernetes 1.31 or newer"):
-            render(kube_version=kube)
-    # The StatefulSet kind runs on the older cluster too.
-    assert render({"workers": {"kind": "statefulset"}},
-                  kube_version=kube).workers()["kind"] == "StatefulSet"
-
-
 def test_longest_names_keep_pod_host_names_valid(render):
     # The API server refuses a Job whose last pod's host name
     # (<job>-<completions-1>) is not a DNS label.

@@ -2,8 +2,8 @@
 
 Lint runs Helm's own chart checks (Chart.yaml, templates, values against
 the schema) in strict mode, where warnings are errors too; it targets the
-oldest Kubernetes each kind of worker workload supports: 1.31 for the
-Indexed Job (workers.kind: job), 1.30 for the StatefulSet.
+oldest Kubernetes the chart supports (Chart.yaml's kubeVersion, 1.29), with
+each kind of worker workload.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import helm_python as helm
 from conftest import CHART_DIR, CI_VALUES, EXAMPLE_JOBS, load_values
 
 FILES = [None] + CI_VALUES + EXAMPLE_JOBS
-OLDEST = {"job": "v1.31.0", "statefulset": "v1.30.0"}
+OLDEST = {"job": "v1.29.0", "statefulset": "v1.29.0"}
 # Each file with both kinds, or with the kind it sets.
 CASES = [(path, kind) for path in FILES for kind in OLDEST
          if ((load_values(path) if path else {}).get("workers") or {}).get("kind", kind) == kind]

@@ -3,11 +3,11 @@
 Each file is rendered with both kinds of worker workload (workers.kind: an
 Indexed Job and a StatefulSet), unless it sets its own. Each rendered
 object is checked offline and strictly (unknown fields are errors) against
-the Kubernetes OpenAPI schemas that kubernetes-validate ships: for 1.31,
-where Elastic Indexed Jobs and podFailurePolicy became stable (the oldest
-the Job kind supports), for the newest the package knows, and, for the
-StatefulSet kind, for 1.30 too. The ServiceMonitor is a CRD, for which
-kubernetes-validate has no schema: it gets a structural check against the
+the Kubernetes OpenAPI schemas that kubernetes-validate ships: for 1.29,
+the oldest the chart supports (Chart.yaml's kubeVersion; test_kubeversion.py
+says why), for 1.31, where Elastic Indexed Jobs and podFailurePolicy became
+stable, and for the newest the package knows. The ServiceMonitor is a CRD,
+for which kubernetes-validate has no schema: it gets a structural check against the
 fields of the Prometheus Operator's monitoring.coreos.com/v1 that the chart
 uses.
 """
@@ -20,7 +20,7 @@ from conftest import CI_VALUES, EXAMPLE_JOBS, RELEASE, NAMESPACE, load_values, s
     with_values
 
 LATEST = kubernetes_validate.utils.latest_version()
-KUBE_VERSIONS = {"job": ["1.31", LATEST], "statefulset": ["1.30", "1.31", LATEST]}
+KUBE_VERSIONS = {"job": ["1.29", "1.31", LATEST], "statefulset": ["1.29", "1.31", LATEST]}
 VALUE_FILES = [None] + CI_VALUES + EXAMPLE_JOBS
 FILE_IDS = ["defaults"] + [f"ci/{p.name}" for p in CI_VALUES] + \
     [f"jobs/{p.name}" for p in EXAMPLE_JOBS]

@@ -82,9 +82,6 @@ run wrong.
 */}}
 {{- define "ductile.validateJob" -}}
 {{- $name := include "ductile.workerName" . }}
-{{- if semverCompare "<1.31.0-0" .Capabilities.KubeVersion.Version }}
-{{- fail (printf "workers.kind=job needs Kubernetes 1.31 or newer (Elastic Indexed Jobs and podFailurePolicy are stable there), and this cluster is %s: set workers.kind=statefulset" .Capabilities.KubeVersion.Version) }}
-{{- end }}
 {{- if and .Values.checkpoint.enabled .Values.checkpoint.perPod }}
 {{- fail "checkpoint.perPod needs workers.kind=statefulset: a Job cannot give each pod a volume of its own that outlives it; keep the shared checkpoint volume (the default) or set workers.kind=statefulset" }}
 {{- end }}
