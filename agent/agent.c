@@ -2,13 +2,18 @@
  *
  * Everything the agent reacts to is a file descriptor in one poll(): a
  * signalfd (SIGTERM, SIGINT, SIGCHLD), the rendezvous library's event fd,
- * the MASTER_PORT wait's pipe, and each worker's stdout, stderr and control
- * socket. Nothing blocks the loop: every wait has a deadline (the SIGKILL
- * after a grace, the shutdown budget), kept in the agent and turned into the
- * poll timeout. The round state machine:
+ * the answers of the tasks that talk to etcd (task.h: the MASTER_PORT
+ * publish or wait, the failure report, the job's completion), and each
+ * worker's stdout, stderr and control socket. Nothing blocks the loop:
+ * every etcd call but the leave at exit runs on a task's thread, and every
+ * wait has a deadline (the SIGKILL after a grace, the shutdown budget),
+ * kept in the agent and turned into the poll timeout. A task's answer may
+ * come after its round has moved on; each handler checks what still stands.
+ * The round state machine:
  *
  *   RDZV --frozen--> RUNNING --round ended / worker failed--> STOPPING --all gone--> RDZV
  *     (inplace: a round end keeps the workers and goes straight back to RDZV)
+ *   RUNNING --all workers exited 0--> FINISHING --job marked complete--> exit 0
  *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
  */
 #include "agent.h"
@@ -16,6 +21,7 @@
 #include "master.h"
 #include "options.h"
 #include "standalone.h"
+#include "task.h"
 #include "watchdog.h"
 #include "workers.h"
 
@@ -38,11 +44,12 @@
 #include <unistd.h>
 
 typedef enum {
-    AGENT_RDZV,     /* waiting for a round (inplace: workers may be alive and idle) */
-    AGENT_RUNNING,  /* workers running in a frozen round */
-    AGENT_STOPPING, /* stopping workers; then the next round, or exit */
-    AGENT_SHUTDOWN, /* SIGTERM: workers finishing their step; then leave, exit 0 */
-    AGENT_DRAINING, /* the job completed elsewhere: let local workers finish */
+    AGENT_RDZV,      /* waiting for a round (inplace: workers may be alive and idle) */
+    AGENT_RUNNING,   /* workers running in a frozen round */
+    AGENT_STOPPING,  /* stopping workers; then the next round, or exit */
+    AGENT_SHUTDOWN,  /* SIGTERM: workers finishing their step; then leave, exit 0 */
+    AGENT_DRAINING,  /* the job completed elsewhere: let local workers finish */
+    AGENT_FINISHING, /* every worker exited 0: marking the job complete */
 } agent_state;
 
 typedef struct agent {
@@ -69,8 +76,13 @@ typedef struct agent {
     int64_t restarts;
     int64_t changes[RDZV_CAUSE_COUNT];
     char why[400];       /* why the next round happens, for its "frozen" line */
-    agent_master master; /* MASTER_PORT: the wait of a node other than rank 0 */
-    int64_t started;     /* newest round taken: an older or equal FROZEN is stale */
+    atomic_int tasks;    /* task threads still running (task.h) */
+    agent_master master; /* MASTER_PORT: rank 0 publishes it, the others wait */
+    agent_task report;   /* the failure report in flight */
+    int64_t report_round;
+    char report_reason[600];
+    agent_task finish; /* marking the job complete */
+    int64_t started;   /* newest round taken: an older or equal FROZEN is stale */
     int done;
     int exit_code;
     int signals;
@@ -80,6 +92,11 @@ typedef struct agent {
 static void agent_finish(agent *a, int code, const char *how)
 {
     if (a->done) return;
+    if (agent_task_pending(&a->report))
+        dlog_warn(&a->lg, "report_abandoned",
+                  "the report that round %lld ended is still waiting on etcd; exiting without "
+                  "its answer",
+                  (long long)a->report_round);
     if (a->rz) {
         rdzv_err err = rdzv_leave(a->rz);
         if (err != RDZV_OK && err != RDZV_ERR_CLOSED)
@@ -155,20 +172,50 @@ static void on_workers_gone(agent *a)
     }
 }
 
-/* Tells etcd why the round ends (see rdzv.h, the failure-counting rule):
- * first_hand for a crash of this node's worker, else a lost peer. A report
- * that cannot be made ends the agent: it must not idle, healthy-looking,
- * in a round nobody else knows is broken. */
-static void report_failure(agent *a, const char *reason, int first_hand)
+/* A report or the finish, made on a task's thread: it holds the handle, so
+ * a rejoin or exit may close it meanwhile. */
+typedef struct rz_job {
+    rdzv *rz;
+    int first_hand;
+    int64_t restarts;
+    char reason[600];
+} rz_job;
+
+static void rz_job_free(void *p)
 {
-    if (a->failure_reported) return;
-    a->failure_reported = 1;
-    int64_t restarts = a->restarts;
-    int counted = first_hand;
-    rdzv_err err = first_hand ? rdzv_report_failure(a->rz, reason, &restarts)
-                              : rdzv_report_peer_lost(a->rz, reason, &restarts, &counted);
+    rz_job *j = p;
+    rdzv_release(j->rz);
+    free(j);
+}
+
+static rz_job *rz_job_new(agent *a)
+{
+    rz_job *j = calloc(1, sizeof(*j));
+    if (!j) return NULL;
+    j->rz = a->rz;
+    rdzv_hold(a->rz);
+    return j;
+}
+
+/* The report's answer: "ERR RESTARTS COUNTED". */
+static void report_main(void *arg, char *answer, size_t len)
+{
+    rz_job *j = arg;
+    int64_t restarts = j->restarts;
+    int counted = j->first_hand;
+    rdzv_err err = j->first_hand ? rdzv_report_failure(j->rz, j->reason, &restarts)
+                                 : rdzv_report_peer_lost(j->rz, j->reason, &restarts, &counted);
+    snprintf(answer, len, "%d %lld %d", (int)err, (long long)restarts, counted);
+}
+
+/* What the report of a->report_round came back with. A report that cannot
+ * be made ends the agent, whatever round it is in by then: it must not
+ * idle, healthy-looking, in a round nobody else knows is broken. */
+static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted)
+{
+    const char *reason = a->report_reason;
     if (err == RDZV_OK) {
-        a->restarts = restarts;
+        if (restarts > a->restarts) a->restarts = restarts; /* the job-wide count only grows */
         if (counted)
             dlog_warn(&a->lg, "failure_reported",
                       "failure recorded: job-wide restarts now %lld of %d", (long long)restarts,
@@ -178,13 +225,18 @@ static void report_failure(agent *a, const char *reason, int first_hand)
                       "lost peer recorded as a membership change (restarts stay %lld of %d)",
                       (long long)restarts, a->round.max_restarts);
     } else if (err == RDZV_ERR_JOB_FAILED) {
-        a->restarts = restarts;
-        snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %s)",
+        if (restarts > a->restarts) a->restarts = restarts;
+        snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %.340s)",
                  a->round.max_restarts, reason);
         a->exit_after_stop = AGENT_EXIT_JOB_FAILED;
+        /* Workers already gone (the loop went on meanwhile): nothing is
+         * left to stop. */
+        if (!workers_alive(a) && a->state != AGENT_SHUTDOWN)
+            agent_finish(a, a->exit_after_stop, a->why);
     } else if (err != RDZV_ERR_JOB_DONE && err != RDZV_ERR_CLOSED) {
-        snprintf(a->why, sizeof(a->why), "could not record in etcd that the round ended (%s): %s",
-                 reason, rdzv_strerror(err));
+        snprintf(a->why, sizeof(a->why),
+                 "could not record in etcd that the round ended (%.340s): %s", reason,
+                 rdzv_strerror(err));
         dlog_error(&a->lg, "failure_report_failed", "%s; exiting", a->why);
         a->exit_after_stop = 1;
         a->in_round = 0;
@@ -192,6 +244,38 @@ static void report_failure(agent *a, const char *reason, int first_hand)
         stop_workers(a, a->o->stop_grace_ms);
         if (!workers_alive(a)) agent_finish(a, 1, a->why);
     }
+}
+
+/* Tells etcd why the round ends (see rdzv.h, the failure-counting rule):
+ * first_hand for a crash of this node's worker, else a lost peer. Once a
+ * round, on a task: the loop goes on and report_done takes the answer. A
+ * newer round's report makes the loop forget an older one's answer (its
+ * thread still makes its write). */
+static void report_failure(agent *a, const char *reason, int first_hand)
+{
+    if (a->failure_reported) return;
+    a->failure_reported = 1;
+    a->report_round = a->round.number;
+    snprintf(a->report_reason, sizeof(a->report_reason), "%s", reason);
+    rz_job *j = rz_job_new(a);
+    if (j) {
+        j->first_hand = first_hand;
+        j->restarts = a->restarts;
+        snprintf(j->reason, sizeof(j->reason), "%s", reason);
+    }
+    if (!j || agent_task_start(&a->report, report_main, j, rz_job_free) != 0)
+        report_done(a, RDZV_ERR_NOMEM, a->restarts, 0);
+}
+
+static void on_report(agent *a)
+{
+    char line[AGENT_TASK_ANSWER_MAX];
+    int e = RDZV_ERR_NOMEM, counted = 0;
+    long long restarts = a->restarts;
+    if (agent_task_read(&a->report, line, sizeof(line)) != 0 ||
+        sscanf(line, "%d %lld %d", &e, &restarts, &counted) != 3)
+        e = RDZV_ERR_NOMEM; /* the thread could not even answer */
+    report_done(a, (rdzv_err)e, restarts, counted);
 }
 
 /* A worker of this node failed (exited non-zero, was killed, or reported a
@@ -278,11 +362,23 @@ static void send_round(agent *a, const rdzv_member *me, const char *maddr, int m
 
 static void launch_round(agent *a, const char *maddr, int mport);
 
+/* Node rank 0 could not publish MASTER_PORT: etcd failed under us, the
+ * round cannot start, and the others wait for a port that will not come,
+ * so end it for everyone. */
+static void publish_failed(agent *a, int64_t round, const char *why)
+{
+    dlog_warn(&a->lg, "master_port_failed", "round %lld: cannot publish MASTER_PORT: %s",
+              (long long)round, why);
+    report_failure(a, "node rank 0 could not publish MASTER_PORT", 0);
+    a->in_round = 0;
+}
+
 /* A round froze with this node in it: take it, learn its MASTER_PORT (node
- * rank 0 publishes it; the others wait on a thread) and run the workers. */
+ * rank 0 publishes it, the others wait for it, each on a task) and run the
+ * workers once it is known (on_master). */
 static void start_round(agent *a, rdzv_round *r)
 {
-    agent_master_wait_cancel(&a->master);
+    agent_master_cancel(&a->master);
     rdzv_round_free(&a->round);
     a->round = *r;
     memset(r, 0, sizeof(*r));
@@ -302,20 +398,9 @@ static void start_round(agent *a, rdzv_round *r)
               (long long)rd->number, rd->nmembers, rd->world_size, rd->my_rank,
               (long long)rd->restarts, rd->max_restarts, a->why[0] ? a->why : "first round");
     a->why[0] = 0;
-    const rdzv_member *m0 = &rd->members[0]; /* members are sorted by rank */
-    int mport = 0;
     if (rd->my_rank == 0) {
-        char msg[AGENT_MSG_MAX];
-        if (agent_master_publish(&a->etcd, a->o->job, rd->number, &mport, msg, sizeof(msg)) != 0) {
-            dlog_warn(&a->lg, "master_port_failed", "round %lld: cannot publish MASTER_PORT: %s",
-                      (long long)rd->number, msg);
-            /* etcd failed under us: the round cannot start; others wait for
-             * a port that will not come, so end it for everyone. */
-            report_failure(a, "node rank 0 could not publish MASTER_PORT", 0);
-            a->in_round = 0;
-            return;
-        }
-        launch_round(a, m0->addr, mport);
+        if (agent_master_publish_start(&a->master, &a->etcd, a->o->job, rd->number) != 0)
+            publish_failed(a, rd->number, "no thread to publish it on");
         return;
     }
     /* Bounded by the lease TTL: node rank 0 publishes right after the
@@ -328,15 +413,25 @@ static void start_round(agent *a, rdzv_round *r)
     }
 }
 
-/* The MASTER_PORT wait answered: go on with the round if it still stands. */
-static void on_master_wait(agent *a)
+/* The MASTER_PORT publish or wait answered: go on with the round if it
+ * still stands. */
+static void on_master(agent *a)
 {
     int64_t round = a->master.round;
+    int publishing = a->master.publishing;
     int port = 0;
     rdzv_err err = RDZV_OK;
     char why[AGENT_MSG_MAX];
-    int rc = agent_master_wait_read(&a->master, &port, &err, why, sizeof(why));
-    if (!a->in_round || a->round.number != round || a->state != AGENT_RDZV) return;
+    int rc = agent_master_read(&a->master, &port, &err, why, sizeof(why));
+    if (!a->in_round || a->round.number != round) return;
+    if (publishing) { /* as when it was made in place: whatever the state */
+        if (rc == 0)
+            launch_round(a, a->round.members[0].addr, port);
+        else
+            publish_failed(a, round, why);
+        return;
+    }
+    if (a->state != AGENT_RDZV) return;
     if (rc == 0) {
         launch_round(a, a->round.members[0].addr, port); /* members are sorted by rank */
         return;
@@ -441,7 +536,7 @@ static void describe_end(const rdzv_event *ev, char *out, size_t len)
 static void leave_round(agent *a, int64_t round_number, int graceful)
 {
     a->in_round = 0;
-    agent_master_wait_cancel(&a->master);
+    agent_master_cancel(&a->master);
     if (a->state != AGENT_RUNNING) return;
     if (a->o->inplace) {
         send_all(a, &(ctl_msg){.type = CTL_ABORT, .round = round_number, .graceful = graceful});
@@ -467,7 +562,8 @@ static void leave_round(agent *a, int64_t round_number, int graceful)
  * 0 when registering again fails, and the caller gives up as before. */
 static int rejoin(agent *a, const rdzv_event *ev)
 {
-    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
+    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0 ||
+        a->state == AGENT_FINISHING)
         return 0;
     rdzv *fresh = NULL;
     char msg[RDZV_MSG_MAX] = "";
@@ -491,6 +587,10 @@ static int rejoin(agent *a, const rdzv_event *ev)
 static void on_event(agent *a, rdzv_event *ev)
 {
     char what[400];
+    /* Marking the job complete: its answer decides how this agent ends
+     * (as when the loop waited for it); only the job's end, which may be
+     * that very write, is news. */
+    if (a->state == AGENT_FINISHING && ev->type != RDZV_EV_JOB_DONE) return;
     switch (ev->type) {
     case RDZV_EV_FROZEN:
         if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
@@ -582,12 +682,50 @@ static void begin_shutdown(agent *a, const char *sig)
               (budget - reserve) / 1000.0);
     a->state = AGENT_SHUTDOWN;
     a->in_round = 0;
-    agent_master_wait_cancel(&a->master);
+    agent_master_cancel(&a->master);
     if (a->have_pending) rdzv_round_free(&a->pending);
     a->have_pending = 0;
     send_all(a, &(ctl_msg){.type = CTL_STOP});
     stop_workers(a, budget - reserve);
     if (!workers_alive(a)) on_workers_gone(a);
+}
+
+static void finish_main(void *arg, char *answer, size_t len)
+{
+    rz_job *j = arg;
+    snprintf(answer, len, "%d", (int)rdzv_finish(j->rz));
+}
+
+static void finish_done(agent *a, rdzv_err err)
+{
+    if (a->state != AGENT_FINISHING) return; /* a signal ended the agent meanwhile */
+    if (err == RDZV_OK || err == RDZV_ERR_JOB_DONE) {
+        agent_finish(a, 0, "job complete");
+        return;
+    }
+    /* The others would wait for a round forever: say so, fail. */
+    snprintf(a->why, sizeof(a->why),
+             "workers finished but the job could not be marked complete in etcd: %s",
+             rdzv_strerror(err));
+    agent_finish(a, 1, a->why);
+}
+
+/* Every worker exited 0: mark the job complete, on a task. */
+static void start_finish(agent *a)
+{
+    a->state = AGENT_FINISHING;
+    rz_job *j = rz_job_new(a);
+    if (!j || agent_task_start(&a->finish, finish_main, j, rz_job_free) != 0)
+        finish_done(a, RDZV_ERR_NOMEM);
+}
+
+static void on_finish(agent *a)
+{
+    char line[AGENT_TASK_ANSWER_MAX];
+    int e = RDZV_ERR_NOMEM;
+    if (agent_task_read(&a->finish, line, sizeof(line)) != 0 || sscanf(line, "%d", &e) != 1)
+        e = RDZV_ERR_NOMEM;
+    finish_done(a, (rdzv_err)e);
 }
 
 static void on_reaped(agent *a, pid_t pid, int status)
@@ -625,20 +763,10 @@ static void on_reaped(agent *a, pid_t pid, int status)
             if (all_ok) {
                 dlog_info(&a->lg, "workers_done", "round %lld: all %d workers exited 0",
                           (long long)a->round.number, a->ws.n);
-                rdzv_err err = rdzv_finish(a->rz);
                 agent_workers_free(&a->ws);
                 a->ws_gen++;
                 a->in_round = 0;
-                if (err == RDZV_OK || err == RDZV_ERR_JOB_DONE) {
-                    agent_finish(a, 0, "job complete");
-                } else {
-                    /* The others would wait for a round forever: say so, fail. */
-                    snprintf(a->why, sizeof(a->why),
-                             "workers finished but the job could not be marked complete in "
-                             "etcd: %s",
-                             rdzv_strerror(err));
-                    agent_finish(a, 1, a->why);
-                }
+                start_finish(a);
             }
         }
         return;
@@ -747,9 +875,22 @@ static void publish(agent *a)
     agent_http_publish(a->http, &s);
 }
 
+/* The loop's fixed poll slots; the workers' fds follow. */
+enum { SLOT_SIGNAL, SLOT_RDZV, SLOT_MASTER, SLOT_REPORT, SLOT_FINISH, SLOT_WORKERS };
+
+/* The tasks' answers, first: nothing handled before them in a pass can
+ * have replaced the task a slot was polled for. */
+static void on_task_answers(agent *a, const struct pollfd *pfd)
+{
+    if (pfd[SLOT_REPORT].revents && pfd[SLOT_REPORT].fd == a->report.fd && !a->done) on_report(a);
+    if (pfd[SLOT_FINISH].revents && pfd[SLOT_FINISH].fd == a->finish.fd && !a->done) on_finish(a);
+    if (pfd[SLOT_MASTER].revents && pfd[SLOT_MASTER].fd == a->master.task.fd && !a->done)
+        on_master(a);
+}
+
 static void run_loop(agent *a)
 {
-    int maxfds = 3 + 3 * a->o->nproc;
+    int maxfds = SLOT_WORKERS + 3 * a->o->nproc;
     struct pollfd *pfd = calloc((size_t)maxfds, sizeof(*pfd));
     agent_worker **owner = calloc((size_t)maxfds, sizeof(*owner));
     if (!pfd || !owner) {
@@ -760,10 +901,12 @@ static void run_loop(agent *a)
     }
     while (!a->done) {
         int n = 0;
+        /* The fixed slots, always (fd -1 is ignored by poll). */
         pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
         pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
-        /* Always slot 2 (fd -1 is ignored by poll). */
-        pfd[n++] = (struct pollfd){.fd = a->master.fd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = a->master.task.fd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = a->report.fd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = a->finish.fd, .events = POLLIN};
         for (int i = 0; a->ws.w && i < a->ws.n; i++) {
             agent_worker *w = &a->ws.w[i];
             int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
@@ -785,8 +928,9 @@ static void run_loop(agent *a)
             break;
         }
         if (got > 0) {
-            unsigned gen = a->ws_gen;
-            for (int i = 3; i < n; i++) {
+            unsigned gen = a->ws_gen; /* before anything may replace the workers */
+            on_task_answers(a, pfd);
+            for (int i = SLOT_WORKERS; i < n && !a->done; i++) {
                 if (a->ws_gen != gen || !a->ws.w) break; /* owner[] is stale */
                 if (!pfd[i].revents) continue;
                 agent_worker *w = owner[i];
@@ -796,9 +940,8 @@ static void run_loop(agent *a)
                     agent_workers_read_output(&a->ws, w, pfd[i].fd);
                 if (a->done) break;
             }
-            if (pfd[0].revents) on_signalfd(a);
-            if (pfd[2].revents && a->master.fd >= 0 && !a->done) on_master_wait(a);
-            if (pfd[1].revents) {
+            if (pfd[SLOT_SIGNAL].revents) on_signalfd(a);
+            if (pfd[SLOT_RDZV].revents) {
                 rdzv_event ev;
                 rdzv_err err = RDZV_OK;
                 while (!a->done && (err = rdzv_next_event(a->rz, 0, &ev)) == RDZV_OK) {
@@ -834,7 +977,10 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
     a.exit_after_stop = -1;
     a.sigfd = sigfd;
     a.wd.fixed_s = o->hang_timeout_ms / 1000.0;
-    agent_master_init(&a.master);
+    atomic_init(&a.tasks, 0);
+    agent_master_init(&a.master, &a.tasks);
+    agent_task_init(&a.report, &a.tasks);
+    agent_task_init(&a.finish, &a.tasks);
     curl_global_init(CURL_GLOBAL_DEFAULT);
 
     char msg[RDZV_MSG_MAX] = "";
@@ -906,13 +1052,15 @@ out:
             if (!a.ws.w[i].exited && a.ws.w[i].pid > 0) waitpid(a.ws.w[i].pid, NULL, 0);
         agent_workers_free(&a.ws);
     }
-    agent_master_wait_cancel(&a.master);
-    if (a.rz) rdzv_close(a.rz);
+    agent_master_cancel(&a.master);
+    agent_task_cancel(&a.report);
+    agent_task_cancel(&a.finish);
+    if (a.rz) rdzv_close(a.rz); /* a task still running holds it: it frees it last */
     agent_http_stop(a.http);
     agent_standalone_stop(&a.sa);
     rdzv_round_free(&a.round);
     if (a.have_pending) rdzv_round_free(&a.pending);
-    /* A MASTER_PORT wait still blocked in libcurl: leave curl's globals be. */
-    if (atomic_load(&a.master.threads) == 0) curl_global_cleanup();
+    /* A task still blocked in libcurl: leave curl's globals be. */
+    if (atomic_load(&a.tasks) == 0) curl_global_cleanup();
     return a.exit_code;
 }

@@ -7,7 +7,9 @@
  * and decides from the outcome whether to answer, or to try the next
  * endpoint after an exponential backoff with jitter. Only transient failures
  * are retried (no connection, a reset, HTTP 5xx without a gRPC verdict, gRPC
- * "unavailable"); a failed compare, a bad request or a missing lease are
+ * "unavailable", which includes "no leader": every call requires a leader,
+ * so a member cut off from its peers refuses it before acting and the call
+ * goes on to the next endpoint); a failed compare, a bad request or a missing lease are
  * answers. A request that may have reached etcd is sent again only when doing
  * so cannot change the outcome (ranges, lease calls); for a put, delete or a
  * writing txn a connection lost after sending, or an "unavailable" that etcd
@@ -272,11 +274,18 @@ etcd_err etcd_conn_setup(etcd_conn *k, CURL *h, const char *path, struct curl_sl
     struct curl_slist *l = curl_slist_append(NULL, "Content-Type: application/json");
     /* no "Expect: 100-continue" round trip for bodies over 1 KiB */
     struct curl_slist *l2 = l ? curl_slist_append(l, "Expect:") : NULL;
-    if (!l2) {
+    /* clientv3's WithRequireLeader, on every call: the gateway passes
+     * Grpc-Metadata-* on as gRPC metadata, and with "hasleader" a member
+     * that has no leader refuses the call at once ("etcdserver: no leader",
+     * code 14, HTTP 503) before proposing or reading anything, where it
+     * would otherwise serve a stale serializable read or hold a write until
+     * it times out; a watch it cancels once it has lost its leader */
+    struct curl_slist *l3 = l2 ? curl_slist_append(l2, "Grpc-Metadata-Hasleader: true") : NULL;
+    if (!l3) {
         curl_slist_free_all(l);
         return ETCD_ERR_NOMEM;
     }
-    l = l2;
+    l = l3;
     if (k->token && strcmp(path, "/v3/auth/authenticate") != 0) {
         size_t n = strlen(k->token) + 32;
         char *hdr = malloc(n);
@@ -453,6 +462,8 @@ etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t
                                  last);
                 return ETCD_ERR_UNAVAILABLE;
             }
+            /* "no leader" (the require-leader refusal) comes before
+             * anything was proposed: another endpoint may have one */
             if (code == 14 || (code < 0 && http >= 500)) goto retry;
             etcd_conn_seterr(k, "%s", last);
             return code < 0 ? ETCD_ERR_PROTOCOL : etcd_map_grpc(code, msg, (int)http);

@@ -121,20 +121,15 @@ static etcd_err stream_start(etcd_watch *w)
     w->stream = curl_easy_init();
     etcd_err e =
         w->stream ? etcd_conn_setup(&w->k, w->stream, "/v3/watch", &w->hdrs) : ETCD_ERR_NOMEM;
-    /* clientv3's WithRequireLeader: the gateway passes Grpc-Metadata-* on as
-     * gRPC metadata, and with "hasleader" a member that has no leader
-     * refuses the watch, or cancels it once it has lost its leader for three
-     * election timeouts (cut off from its peers, it would otherwise keep the
-     * stream open and silent, while the others move on) */
-    struct curl_slist *l =
-        e == ETCD_OK ? curl_slist_append(w->hdrs, "Grpc-Metadata-Hasleader: true") : NULL;
-    if (e == ETCD_OK && !l) e = ETCD_ERR_NOMEM;
+    /* The setup requires a leader (clientv3's WithRequireLeader): a member
+     * that has none refuses the watch, or cancels it once it has lost its
+     * leader for three election timeouts (cut off from its peers, it would
+     * otherwise keep the stream open and silent, while the others move on). */
     if (e != ETCD_OK) {
         free(body);
         stream_stop(w);
         return e;
     }
-    curl_easy_setopt(w->stream, CURLOPT_HTTPHEADER, l);
     curl_easy_setopt(w->stream, CURLOPT_COPYPOSTFIELDS, body);
     free(body);
     curl_easy_setopt(w->stream, CURLOPT_WRITEFUNCTION, stream_write);

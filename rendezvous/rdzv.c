@@ -136,6 +136,7 @@ static void rdzv_free(rdzv *r)
 {
     if (!r) return;
     etcd_client_free(r->api);
+    etcd_client_free(r->rep);
     etcd_client_free(r->dc);
     etcd_client_free(r->kac);
     while (r->ev_head) {
@@ -149,6 +150,7 @@ static void rdzv_free(rdzv *r)
     for (size_t i = 0; i < sizeof(r->strs) / sizeof(r->strs[0]); i++)
         free(r->strs[i]);
     pthread_mutex_destroy(&r->api_mu);
+    pthread_mutex_destroy(&r->rep_mu);
     pthread_mutex_destroy(&r->ev_mu);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
@@ -238,6 +240,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     if (!r) return RDZV_ERR_NOMEM;
     r->efd = -1;
     pthread_mutex_init(&r->api_mu, NULL);
+    pthread_mutex_init(&r->rep_mu, NULL);
     pthread_mutex_init(&r->ev_mu, NULL);
     pthread_mutex_init(&r->mu, NULL);
     mono_cond_init(&r->cv);
@@ -281,11 +284,14 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
         goto err;
     }
     if ((err = rdzv_etcd_connect(&r->etcd, &r->api, msg)) != RDZV_OK) goto err;
+    if ((err = rdzv_etcd_connect(&r->etcd, &r->rep, msg)) != RDZV_OK) goto err;
     if ((err = rdzv_etcd_connect(&r->etcd, &r->dc, msg)) != RDZV_OK) goto err;
     if ((err = rdzv_etcd_connect(&r->etcd, &r->kac, msg)) != RDZV_OK) goto err;
-    /* Failpoints name the client: etcd.api.txn is a call of the caller's
-     * thread (register, report, finish, leave), never the driver's. */
+    /* Failpoints name the client: etcd.api.txn is one of the caller's own
+     * calls (register, report, finish, leave), never the driver's; the two
+     * clients share the name, and so its count. */
     etcd_client_set_name(r->api, "api");
+    etcd_client_set_name(r->rep, "api");
     etcd_client_set_name(r->dc, "driver");
     etcd_client_set_name(r->kac, "keepalive");
     if ((err = check_job_state(r, msg)) != RDZV_OK) goto err;
@@ -369,9 +375,9 @@ rdzv_err rdzv_leave(rdzv *r)
         pthread_mutex_unlock(&r->api_mu);
         return RDZV_ERR_CLOSED;
     }
-    r->closed = 1;
     /* Stop acting first, so this node does not react to its own leave. */
     pthread_mutex_lock(&r->mu);
+    r->closed = 1;
     r->stop = 1;
     int64_t round = r->member_round;
     pthread_cond_broadcast(&r->cv);
@@ -404,7 +410,27 @@ void rdzv_close(rdzv *r)
 {
     if (!r) return;
     stop_threads(r);
-    rdzv_free(r);
+    pthread_mutex_lock(&r->mu);
+    r->close_called = 1;
+    int last = r->holds == 0;
+    pthread_mutex_unlock(&r->mu);
+    if (last) rdzv_free(r);
+}
+
+void rdzv_hold(rdzv *r)
+{
+    pthread_mutex_lock(&r->mu);
+    r->holds++;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void rdzv_release(rdzv *r)
+{
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    int last = --r->holds == 0 && r->close_called;
+    pthread_mutex_unlock(&r->mu);
+    if (last) rdzv_free(r);
 }
 
 double rdzv_seconds_in_rendezvous(const rdzv *r)

@@ -84,8 +84,10 @@ rdzv_err rdzv_from_etcd(etcd_err err);
 
 /* ---- the handle (rdzv.c, rdzv_driver.c, rdzv_watch.c, rdzv_report.c) ----
  *
- * Three kinds of thread share a handle: the caller's (rdzv_open, report,
- * finish, leave: under api_mu), the driver's (the protocol steps: it alone
+ * Three kinds of thread share a handle: the caller's (rdzv_open and leave
+ * under api_mu; reports and finish, from any thread, under rep_mu with a
+ * client of their own, so a report stalled on etcd never holds up a leave),
+ * the driver's (the protocol steps: it alone
  * touches the driver-only state), and the helpers that wake it (watches and
  * the keep-alive: they post to the driver's inbox under mu). */
 
@@ -109,10 +111,12 @@ struct rdzv {
     char node[RDZV_NODE_ID_MAX + 1];
     dlog log; /* debug traces of the protocol steps (tag "rdzv", this node) */
 
-    etcd_client *api; /* calls made from the caller's thread */
+    etcd_client *api; /* open and leave, from the caller's thread */
     pthread_mutex_t api_mu;
+    etcd_client *rep; /* reports and finish (failpoint name "api" too) */
+    pthread_mutex_t rep_mu;
     int64_t lease;
-    int closed;
+    int closed; /* left: written under api_mu and mu, read under either */
 
     /* events to the caller */
     pthread_mutex_t ev_mu;
@@ -125,6 +129,8 @@ struct rdzv {
     int stop;
     unsigned dirty;
     int lease_lost;
+    int holds;            /* rdzv_hold calls not yet released */
+    int close_called;     /* rdzv_close was called: the last release frees */
     int64_t member_round; /* the last round this node was frozen into */
     char *round_cache;    /* the round record as the last watch event had it */
     size_t round_cache_len;

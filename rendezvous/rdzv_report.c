@@ -1,4 +1,4 @@
-/* rdzv_report.c: failures and the end of the job, from the caller's thread.
+/* rdzv_report.c: failures and the end of the job, from any thread.
  *
  * A report is a read-decide-write loop on the round record: read it, decide
  * by the failure-counting rule (rdzv.h) whether this report opens the next
@@ -6,6 +6,10 @@
  * by the record's mod_revision. A lost race, or an etcd error that may or
  * may not have applied the write, just reads again: the record itself says
  * whether the write landed, so one failure is never counted twice.
+ *
+ * Reports use a client and a lock of their own (rep, rep_mu), not the
+ * caller's (api, api_mu): an agent makes them on a thread of its own, and
+ * one stalled on etcd must not hold up its leave.
  */
 #include "rdzv_internal.h"
 
@@ -103,19 +107,22 @@ static rdzv_err report(rdzv *r, int first_hand, const char *reason, int64_t *res
     if (!r) return RDZV_ERR_ARG;
     if (!reason) reason = "";
     if (counted) *counted = 0;
-    pthread_mutex_lock(&r->api_mu);
-    rdzv_err err = RDZV_ERR_CLOSED;
-    if (r->closed) goto out;
+    /* The round is the one this node is in when the report is asked for,
+     * not when an earlier report stalled on etcd lets it through. */
     pthread_mutex_lock(&r->mu);
     int64_t mine = r->member_round;
+    int closed = r->closed;
     pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&r->rep_mu);
+    rdzv_err err = RDZV_ERR_CLOSED;
+    if (closed) goto out;
     int64_t deadline = report_deadline(r);
     int backoff = 50;
     for (;;) {
         rdzv_record rec, next;
         int64_t mod = 0;
         int have = 0, count = 0, won = 0;
-        err = rdzv_read_round(r, r->api, &rec, &mod, &have);
+        err = rdzv_read_round(r, r->rep, &rec, &mod, &have);
         if (err == RDZV_OK && !have) err = RDZV_ERR_PROTOCOL;
         if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
         if (err != RDZV_OK) goto out;
@@ -129,11 +136,11 @@ static rdzv_err report(rdzv *r, int first_hand, const char *reason, int64_t *res
         char *st = NULL;
         if (w == WRITE_NEXT_ROUND) {
             err = rdzv_record_copy_order(&rec, &next);
-            if (err == RDZV_OK) err = rdzv_put_record(r, r->api, &next, mod, 1, NULL, &won);
+            if (err == RDZV_OK) err = rdzv_put_record(r, r->rep, &next, mod, 1, NULL, &won);
         } else if (w == WRITE_SAME_ROUND) {
             int failed = strcmp(rec.job, "failed") == 0;
             if (failed && !(st = rdzv_state_json("failed", rec.reason))) err = RDZV_ERR_NOMEM;
-            if (err == RDZV_OK) err = rdzv_put_record(r, r->api, &rec, mod, 0, st, &won);
+            if (err == RDZV_OK) err = rdzv_put_record(r, r->rep, &rec, mod, 0, st, &won);
         }
         int64_t total = w == WRITE_NEXT_ROUND ? next.restarts : rec.restarts;
         int job_failed = strcmp(rec.job, "failed") == 0;
@@ -157,7 +164,7 @@ static rdzv_err report(rdzv *r, int first_hand, const char *reason, int64_t *res
         }
     }
 out:
-    pthread_mutex_unlock(&r->api_mu);
+    pthread_mutex_unlock(&r->rep_mu);
     return err;
 }
 
@@ -174,9 +181,12 @@ rdzv_err rdzv_report_peer_lost(rdzv *r, const char *reason, int64_t *restarts, i
 rdzv_err rdzv_finish(rdzv *r)
 {
     if (!r) return RDZV_ERR_ARG;
-    pthread_mutex_lock(&r->api_mu);
+    pthread_mutex_lock(&r->mu);
+    int closed = r->closed;
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&r->rep_mu);
     rdzv_err err = RDZV_ERR_CLOSED;
-    if (r->closed) goto out;
+    if (closed) goto out;
     int64_t deadline = report_deadline(r);
     int backoff = 50;
     char *st = rdzv_state_json("done", "");
@@ -188,7 +198,7 @@ rdzv_err rdzv_finish(rdzv *r)
         rdzv_record rec;
         int64_t mod = 0;
         int have = 0, won = 0;
-        err = rdzv_read_round(r, r->api, &rec, &mod, &have);
+        err = rdzv_read_round(r, r->rep, &rec, &mod, &have);
         if (err == RDZV_OK && !have) err = RDZV_ERR_PROTOCOL;
         if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
         if (err != RDZV_OK) break;
@@ -198,7 +208,7 @@ rdzv_err rdzv_finish(rdzv *r)
             break;
         }
         snprintf(rec.job, sizeof(rec.job), "done");
-        err = rdzv_put_record(r, r->api, &rec, mod, 0, st, &won);
+        err = rdzv_put_record(r, r->rep, &rec, mod, 0, st, &won);
         rdzv_record_free(&rec);
         /* Ambiguous or unavailable: the next read says whether it landed. */
         if (err == RDZV_ERR_ETCD && retry_pause(deadline, &backoff)) continue;
@@ -210,6 +220,6 @@ rdzv_err rdzv_finish(rdzv *r)
     }
     free(st);
 out:
-    pthread_mutex_unlock(&r->api_mu);
+    pthread_mutex_unlock(&r->rep_mu);
     return err;
 }

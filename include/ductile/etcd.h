@@ -11,6 +11,12 @@
  * applied): it returns ETCD_ERR_UNAVAILABLE ("may have been applied" in
  * etcd_last_error) and the caller re-reads before deciding.
  *
+ * Every call, unary or watch, requires a leader (clientv3's
+ * WithRequireLeader): a member cut off from its peers answers "no leader"
+ * at once, before acting, instead of serving a stale read or holding a
+ * write until it times out, and the call goes on to the next endpoint
+ * (safe for a write too: it was never proposed).
+ *
  * A client is used by one thread at a time. A watch is its own object with
  * its own connection, so one thread can block on a watch while another uses
  * the client.

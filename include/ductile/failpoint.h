@@ -16,7 +16,9 @@
  *
  * Names compiled in (always; a check is one relaxed load when unset):
  *   etcd.CLIENT.OP   CLIENT: api (the agent's own calls: register, report,
- *                    finish, leave), driver, keepalive, watch, store;
+ *                    finish, leave; reports and finish have a client of
+ *                    their own that shares the name and its count), driver,
+ *                    keepalive, watch, store;
  *                    OP: range put delete txn lease_grant keepalive
  *                    lease_revoke watch. ACTION unavailable: fail before
  *                    sending, as if no endpoint answered; ambiguous: send it,

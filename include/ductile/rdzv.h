@@ -183,7 +183,12 @@ rdzv_err rdzv_next_event(rdzv *r, int timeout_ms, rdzv_event *ev);
  * Both re-read and retry after an unavailable or ambiguous etcd answer (a
  * leader change) until the lease TTL has passed (past it this node is out
  * of the job anyway). *restarts (may be NULL) receives the job's count;
- * *counted (may be NULL) whether this report added one. */
+ * *counted (may be NULL) whether this report added one.
+ *
+ * Reports and rdzv_finish may be made from any thread (one at a time; the
+ * report is about the round this node is in when it is called), and never
+ * hold up rdzv_leave: a caller that keeps its own loop free makes them on a
+ * thread, holding the handle (rdzv_hold) for as long as it runs. */
 rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts);
 rdzv_err rdzv_report_peer_lost(rdzv *r, const char *reason, int64_t *restarts, int *counted);
 
@@ -198,8 +203,15 @@ rdzv_err rdzv_finish(rdzv *r);
 rdzv_err rdzv_leave(rdzv *r);
 
 /* Stops the driver and frees everything; does not revoke the lease (a crash
- * is simulated by never calling leave: the lease then expires). */
+ * is simulated by never calling leave: the lease then expires). With a
+ * hold still out, the last rdzv_release frees instead. */
 void rdzv_close(rdzv *r);
+
+/* Keeps r's memory for a thread that reports on it (rdzv_report_*,
+ * rdzv_finish) after its owner may have closed it; each hold is ended by
+ * one rdzv_release. */
+void rdzv_hold(rdzv *r);
+void rdzv_release(rdzv *r);
 
 /* Seconds this handle has spent between asking for a round and holding it. */
 double rdzv_seconds_in_rendezvous(const rdzv *r);

@@ -667,6 +667,38 @@ def case_master_wait(job):
           "node rank 0 had not published yet: b was waiting, and did not block")
 
 
+def case_report_stalled(job):
+    """A failure report stalled on etcd does not stall the agent's loop. While
+    the report waits 20 s, the other worker's exit is reaped and logged,
+    /healthz answers and /metrics moves, and SIGTERM ends the agent within its
+    shutdown budget. Proven by order, not by time: the report's own line
+    ("failure recorded") comes only after the stall, and never came here."""
+    job.flags += FAST + ["--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3"]
+    port = free_port()
+    # txn 1 registers the node; txn 2 is the report's write: it stalls 20 s.
+    a = job.start("node-a", ["--http-port", str(port)],
+                  env={"DUCTILE_FAILPOINTS": "etcd.api.txn=2:sleep:20000"})
+    job.wait_round(2, 60)
+    ws = sorted(workers_of(job, a), key=lambda w: int(w["RANK"]))
+    check(len(ws) == 2, "two workers: %r" % ws)
+    job.command(ws[0]["_pid"], "exit 3")
+    # The crash is reaped, the other worker stopped, reaped and logged.
+    other = re.compile(r"worker rank %s (exited|was killed)" % ws[1]["RANK"])
+    wait_for(lambda: other.search(a.log()), 15, "the other worker's exit logged")
+    check("failure recorded" not in a.log(), "reaped while the report was stalled")
+    check(http_get(port, "/healthz")[0] == 200, "/healthz answers")
+    wait_for(lambda: re.search(r"^ductile_workers_running 0$", http_get(port, "/metrics")[1],
+                               re.M), 10, "/metrics: no worker running")
+    check("failure recorded" not in a.log(), "/healthz and /metrics while stalled")
+    a.signal(signal.SIGTERM)
+    code = a.wait_exit(8 + 5)
+    check(code == 0, "SIGTERMed agent exits 0, got %d" % code)
+    log = a.log()
+    check("SIGTERM: stopping workers" in log, "SIGTERM handled")
+    check("failure recorded" not in log and "still waiting on etcd" in log,
+          "it exited while the report was still stalled: %r" % log.splitlines()[-3:])
+
+
 def http_get(port, path):
     try:
         with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:

@@ -12,6 +12,16 @@
  * with the header the stream ends in the no-leader error, without it the
  * put never arrives there.
  *
+ * Unary calls require a leader too. Once member 0 has lost its leader, a
+ * raw serializable range there without the header serves a stale answer
+ * (the put made after the cut is missing), and with it is refused at once
+ * (HTTP 503, code 14, "etcdserver: no leader"). Fresh clients that list
+ * member 0 first then read (linearizably), put, txn and grant a lease: each
+ * is refused by member 0 before it acts, goes on to another member and
+ * succeeds, the write exactly once. Without the header the read would wait
+ * out the client's deadline there and the write time out as "may have been
+ * applied", so succeeding at all is the proof; the times are printed.
+ *
  * The namespace has no name: it is member 0's own (unshare), so it and its
  * veth pairs are gone when member 0 dies, killed with the test. Exits 77
  * (skipped) where namespaces or veth pairs cannot be made.
@@ -211,6 +221,100 @@ static void raw_stop(raw_stream *r)
     pthread_join(r->thread, NULL);
 }
 
+/* ---- raw unary gateway calls ---- */
+
+/* POSTs body to endpoint+path, with or without the require-leader header;
+ * returns the HTTP status (0: no answer) and the body in out. */
+static long raw_post(const char *endpoint, const char *path, const char *body, int hasleader,
+                     char *out, size_t outlen)
+{
+    raw_stream r; /* reuses the stream's buffer and write callback */
+    memset(&r, 0, sizeof(r));
+    pthread_mutex_init(&r.mu, NULL);
+    char url[128];
+    snprintf(url, sizeof(url), "%s%s", endpoint, path);
+    CURL *h = curl_easy_init();
+    struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    if (hasleader) hdrs = curl_slist_append(hdrs, "Grpc-Metadata-Hasleader: true");
+    long http = 0;
+    if (h && hdrs) {
+        curl_easy_setopt(h, CURLOPT_URL, url);
+        curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, raw_write);
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, &r);
+        curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)DEADLINE_MS);
+        if (curl_easy_perform(h) == CURLE_OK) curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &http);
+    }
+    curl_slist_free_all(hdrs);
+    curl_easy_cleanup(h);
+    pthread_mutex_destroy(&r.mu);
+    snprintf(out, outlen, "%s", r.body);
+    return http;
+}
+
+/* A client whose first endpoint is member 0 (a fresh one starts there). */
+static etcd_client *m0_first(const char *eps)
+{
+    return test_client(eps, 10000);
+}
+
+/* Member 0 has no leader now: a serializable read there is stale without
+ * the header and refused with it. */
+static void check_stale_read_refused(void)
+{
+    /* key "/pt/b", serializable: member 0 answers from its own store */
+    const char *body = "{\"key\":\"L3B0L2I=\",\"serializable\":true}";
+    char ans[4096];
+    long http = raw_post(cl.client_url[0], "/v3/kv/range", body, 0, ans, sizeof(ans));
+    fprintf(stderr, "serializable range on member 0 without Hasleader: HTTP %ld %s\n", http, ans);
+    CHECK_OR_EXIT(http == 200 && !strstr(ans, "\"kvs\"")); /* stale: /pt/b is missing */
+    http = raw_post(cl.client_url[0], "/v3/kv/range", body, 1, ans, sizeof(ans));
+    fprintf(stderr, "serializable range on member 0 with Hasleader: HTTP %ld %s\n", http, ans);
+    CHECK_OR_EXIT(http == 503 && strstr(ans, "\"code\":14") &&
+                  strstr(ans, "etcdserver: no leader") && !strstr(ans, "\"kvs\""));
+}
+
+/* Reads and writes of clients that try member 0 first go to the others. */
+static void check_unary_failover(const char *eps, etcd_client *m1)
+{
+    int64_t t0 = mono_now_ms();
+    etcd_client *c = m0_first(eps);
+    etcd_kv kv;
+    CHECK_OK(c, etcd_get(c, "/pt/b", &kv)); /* linearizable: never stale */
+    CHECK_OR_EXIT(strcmp(kv.value, "after") == 0);
+    etcd_kv_free(&kv);
+    etcd_client_free(c);
+    int64_t t1 = mono_now_ms();
+    c = m0_first(eps);
+    CHECK_OK(c, etcd_put(c, "/pt/c", "via-others", 10, 0, NULL));
+    etcd_client_free(c);
+    int64_t t2 = mono_now_ms();
+    c = m0_first(eps);
+    etcd_cmp cmp = {.key = "/pt/d", .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL};
+    etcd_op op = {.type = ETCD_OP_PUT, .key = "/pt/d", .value = "once", .value_len = 4};
+    etcd_txn_result tr;
+    CHECK_OK(c, etcd_txn(c, &cmp, 1, &op, 1, NULL, 0, &tr));
+    CHECK_OR_EXIT(tr.succeeded); /* create-only, and applied once */
+    etcd_txn_result_free(&tr);
+    etcd_client_free(c);
+    c = m0_first(eps);
+    int64_t lease = 0;
+    CHECK_OK(c, etcd_lease_grant(c, 30, &lease));
+    CHECK_OK(c, etcd_lease_revoke(c, lease));
+    etcd_client_free(c);
+    int64_t t3 = mono_now_ms();
+    fprintf(stderr, "member 0 listed first: read %lld ms, put %lld ms, txn and lease %lld ms\n",
+            (long long)(t1 - t0), (long long)(t2 - t1), (long long)(t3 - t2));
+    CHECK_OK(m1, etcd_get(m1, "/pt/c", &kv));
+    CHECK_OR_EXIT(strcmp(kv.value, "via-others") == 0);
+    etcd_kv_free(&kv);
+    CHECK_OK(m1, etcd_get(m1, "/pt/d", &kv));
+    CHECK_OR_EXIT(strcmp(kv.value, "once") == 0 && kv.version == 1);
+    etcd_kv_free(&kv);
+}
+
 /* ---- the test ---- */
 
 static int64_t put(etcd_client *c, const char *key, const char *val)
@@ -333,6 +437,9 @@ int main(void)
     CHECK_OR_EXIT(!strstr(without.body, "error") && !strstr(without.body, "L3B0L2I="));
     fprintf(stderr, "stream without Hasleader: open, silent for %d ms after the put\n",
             DEADLINE_MS);
+
+    check_stale_read_refused();
+    check_unary_failover(eps, m1);
 
     etcd_watch_close(w);
     etcd_client_free(c);
