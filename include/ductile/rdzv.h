@@ -33,7 +33,7 @@ typedef enum {
     RDZV_ERR_LEASE_LOST, /* this node's lease expired: it is out of the job */
     RDZV_ERR_JOB_DONE,   /* the job has completed */
     RDZV_ERR_JOB_FAILED, /* the job has failed (restart limit reached) */
-    RDZV_ERR_DUPLICATE,  /* a live node already uses this node id */
+    RDZV_ERR_DUPLICATE,  /* this node id is registered by an agent that is (or may be) alive */
     RDZV_ERR_CLOSED,     /* the handle is leaving or closed */
     RDZV_ERR_PROTOCOL,   /* malformed data found under the job's keys */
 } rdzv_err;
