@@ -11,6 +11,9 @@
  *   rdzv_driver.c   the driver thread: one protocol step per snapshot
  *   rdzv_watch.c    what wakes the driver: watch threads and the keep-alive
  *   rdzv_report.c   failures and the end of the job (caller's thread)
+ *   probe.c         the registration's liveness probe: a responder thread,
+ *                   and the prober rdzv_open asks before taking over a
+ *                   registration of its node id from a dead incarnation
  */
 #include "rdzv_internal.h"
 
@@ -283,10 +286,13 @@ static rdzv_err judge_registration(rdzv *r, const etcd_kv *kv, int *dead, char *
 {
     reg_info old;
     parse_registration(kv, &old);
-    char why[RDZV_MSG_MAX];
-    rdzv_probe_verdict v = rdzv_probe_check(old.addr, old.probe, r->node, old.inc,
-                                            RDZV_PROBE_TIMEOUT_MS, why, sizeof(why));
-    *dead = v == RDZV_PROBE_DEAD && !r->cfg.no_takeover;
+    char why[RDZV_MSG_MAX] = "";
+    /* Not taking over at all: no probe, which could stall the caller. */
+    rdzv_probe_verdict v = RDZV_PROBE_UNKNOWN;
+    if (!r->cfg.no_takeover)
+        v = rdzv_probe_check(old.addr, old.probe, r->node, old.inc, RDZV_PROBE_TIMEOUT_MS, why,
+                             sizeof(why));
+    *dead = v == RDZV_PROBE_DEAD;
     if (*dead) {
         r->incarnation = old.inc + 1;
         rdzv_probe_set_incarnation(r->probe, r->incarnation);
@@ -294,15 +300,20 @@ static rdzv_err judge_registration(rdzv *r, const etcd_kv *kv, int *dead, char *
                    (long long)old.inc, r->node, why);
         return RDZV_OK;
     }
-    const char *what = v == RDZV_PROBE_ALIVE     ? "a live agent"
-                       : v == RDZV_PROBE_UNKNOWN ? "an agent that did not answer"
-                                                 : "a dead agent, not taken back by this one";
     /* Composed whole, then cut to the caller's one line. */
     char line[2 * RDZV_MSG_MAX + RDZV_NODE_ID_MAX + 128];
-    snprintf(line, sizeof(line),
-             "node id %s is already registered in job %s by %s (incarnation %lld: %s)%s", r->node,
-             r->cfg.job, what, (long long)old.inc, why,
-             v == RDZV_PROBE_UNKNOWN ? "; its lease ends within its TTL unless it is alive" : "");
+    if (r->cfg.no_takeover)
+        snprintf(line, sizeof(line),
+                 "node id %s is registered in job %s by another agent (incarnation %lld); this "
+                 "one lost its registration and does not take it back",
+                 r->node, r->cfg.job, (long long)old.inc);
+    else
+        snprintf(line, sizeof(line),
+                 "node id %s is already registered in job %s by %s (incarnation %lld: %s)%s",
+                 r->node, r->cfg.job,
+                 v == RDZV_PROBE_ALIVE ? "a live agent" : "an agent that did not answer",
+                 (long long)old.inc, why,
+                 v == RDZV_PROBE_ALIVE ? "" : "; its lease ends within its TTL unless it is alive");
     line[RDZV_MSG_MAX - 1] = '\0';
     memcpy(msg, line, RDZV_MSG_MAX);
     return RDZV_ERR_DUPLICATE;
