@@ -251,7 +251,10 @@ rdzv_probe_verdict rdzv_probe_check(const char *addr, int port, const char *node
         snprintf(why, len, "incarnation %" PRId64 " answers at %.100s:%d", inc, addr, port);
         return RDZV_PROBE_ALIVE;
     }
-    snprintf(why, len, "%.100s:%d answers \"%.100s\", not incarnation %" PRId64, addr, port,
-             n ? line : "(closed)", inc);
+    if (n == 0)
+        snprintf(why, len, "%.100s:%d closed without an answer", addr, port);
+    else
+        snprintf(why, len, "%.100s:%d answers \"%.100s\", not incarnation %" PRId64, addr, port,
+                 line, inc);
     return RDZV_PROBE_DEAD;
 }
