@@ -345,7 +345,7 @@ static rdzv_err register_self(rdzv *r, int64_t *revision, char *msg)
         err = judge_registration(r, &kv, &dead, msg);
         if (err == RDZV_OK) err = take_over(r, &kv, &won, revision);
         etcd_kv_free(&kv);
-        if (err != RDZV_OK) return err;
+        if (err != RDZV_OK) break;
         if (won) {
             r->took_over = 1;
             return RDZV_OK;
