@@ -567,6 +567,10 @@ static int rejoin(agent *a, const rdzv_event *ev)
         return 0;
     rdzv *fresh = NULL;
     char msg[RDZV_MSG_MAX] = "";
+    /* Never take the registration back: if another agent with this node id
+     * holds it now, it took it over from this one, judged dead, and two
+     * agents with one id must never both train (docs/design.md, "Rounds"). */
+    a->cfg.no_takeover = 1;
     rdzv_err err = rdzv_open(&a->cfg, &fresh, msg);
     if (err != RDZV_OK) {
         dlog_error(&a->lg, "rejoin_failed", "lease lost (%s) and could not register again: %s%s%s",
@@ -1042,6 +1046,13 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
         a.rz = NULL;
         goto out;
     }
+    int took_over = 0;
+    int64_t inc = rdzv_incarnation(a.rz, &took_over);
+    if (took_over)
+        dlog_warn(&a.lg, "took_over",
+                  "node id %s was registered by incarnation %lld, which is gone: took its place "
+                  "as incarnation %lld",
+                  o->node_id, (long long)(inc - 1), (long long)inc);
     run_loop(&a);
 
 out:

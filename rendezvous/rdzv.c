@@ -11,6 +11,9 @@
  *   rdzv_driver.c   the driver thread: one protocol step per snapshot
  *   rdzv_watch.c    what wakes the driver: watch threads and the keep-alive
  *   rdzv_report.c   failures and the end of the job (caller's thread)
+ *   probe.c         the registration's liveness probe: a responder thread,
+ *                   and the prober rdzv_open asks before taking over a
+ *                   registration of its node id from a dead incarnation
  */
 #include "rdzv_internal.h"
 
@@ -146,6 +149,7 @@ static void rdzv_free(rdzv *r)
         free(n);
     }
     if (r->efd >= 0) close(r->efd);
+    rdzv_probe_stop(r->probe);
     free(r->round_cache);
     for (size_t i = 0; i < sizeof(r->strs) / sizeof(r->strs[0]); i++)
         free(r->strs[i]);
@@ -223,6 +227,149 @@ static rdzv_err check_job_limits(rdzv *r, char *msg)
     return err;
 }
 
+/* ---- registration: create, or take over from a dead incarnation ---- */
+
+/* What a registration says of its incarnation: addr, inc, probe port. */
+typedef struct reg_info {
+    char addr[1025];
+    int64_t inc;
+    int probe;
+} reg_info;
+
+static void parse_registration(const etcd_kv *kv, reg_info *out)
+{
+    memset(out, 0, sizeof(*out));
+    cJSON *o = cJSON_ParseWithLength(kv->value, kv->value_len);
+    const cJSON *addr = cJSON_GetObjectItemCaseSensitive(o, "addr");
+    const cJSON *inc = cJSON_GetObjectItemCaseSensitive(o, "inc");
+    const cJSON *probe = cJSON_GetObjectItemCaseSensitive(o, "probe");
+    if (cJSON_IsString(addr)) snprintf(out->addr, sizeof(out->addr), "%s", addr->valuestring);
+    if (cJSON_IsNumber(inc) && inc->valuedouble >= 1 && inc->valuedouble < 9e15)
+        out->inc = (int64_t)inc->valuedouble;
+    if (cJSON_IsNumber(probe)) out->probe = probe->valueint;
+    cJSON_Delete(o);
+}
+
+/* Puts this node's registration in place of kv, in one txn guarded by kv's
+ * mod_revision, then revokes kv's lease: its waiting and join keys go with
+ * it, and an old incarnation that was alive after all finds its lease
+ * gone. A revoke that fails is harmless: the lease expires, and the round
+ * record already sees the node under another lease. */
+static rdzv_err take_over(rdzv *r, const etcd_kv *kv, int *won, int64_t *revision)
+{
+    char *val = rdzv_node_value(r);
+    if (!val) return RDZV_ERR_NOMEM;
+    etcd_cmp same = {
+        .key = kv->key, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = kv->mod_revision};
+    etcd_op put = {.type = ETCD_OP_PUT,
+                   .key = kv->key,
+                   .value = val,
+                   .value_len = strlen(val),
+                   .lease = r->lease};
+    etcd_txn_result res;
+    etcd_err e = etcd_txn(r->api, &same, 1, &put, 1, NULL, 0, &res);
+    free(val);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    *won = res.succeeded;
+    *revision = res.revision;
+    etcd_txn_result_free(&res);
+    if (*won) {
+        e = etcd_lease_revoke(r->api, kv->lease);
+        dlog_debug(&r->log, NULL, "took over %s from lease %lld (revoke: %s)", kv->key,
+                   (long long)kv->lease, etcd_strerror(e));
+    }
+    return RDZV_OK;
+}
+
+/* The registration kv is in the way: refuse (RDZV_ERR_DUPLICATE, msg
+ * says why) unless its incarnation is dead and taking over is allowed;
+ * then *dead is set and r->incarnation is the next one. */
+static rdzv_err judge_registration(rdzv *r, const etcd_kv *kv, int *dead, char *msg)
+{
+    reg_info old;
+    parse_registration(kv, &old);
+    char why[RDZV_MSG_MAX] = "";
+    /* Not taking over at all: no probe, which could stall the caller. */
+    rdzv_probe_verdict v = RDZV_PROBE_UNKNOWN;
+    if (!r->cfg.no_takeover)
+        v = rdzv_probe_check(old.addr, old.probe, r->node, old.inc, RDZV_PROBE_TIMEOUT_MS, why,
+                             sizeof(why));
+    *dead = v == RDZV_PROBE_DEAD;
+    if (*dead) {
+        r->incarnation = old.inc + 1;
+        rdzv_probe_set_incarnation(r->probe, r->incarnation);
+        dlog_debug(&r->log, NULL, "incarnation %lld of %s is gone (%s): taking over",
+                   (long long)old.inc, r->node, why);
+        return RDZV_OK;
+    }
+    /* Composed whole, then cut to the caller's one line. */
+    char line[2 * RDZV_MSG_MAX + RDZV_NODE_ID_MAX + 128];
+    if (r->cfg.no_takeover)
+        snprintf(line, sizeof(line),
+                 "node id %s is registered in job %s by another agent (incarnation %lld); this "
+                 "one lost its registration and does not take it back",
+                 r->node, r->cfg.job, (long long)old.inc);
+    else
+        snprintf(line, sizeof(line),
+                 "node id %s is already registered in job %s by %s (incarnation %lld: %s)%s",
+                 r->node, r->cfg.job,
+                 v == RDZV_PROBE_ALIVE ? "a live agent" : "an agent that did not answer",
+                 (long long)old.inc, why,
+                 v == RDZV_PROBE_ALIVE ? "" : "; its lease ends within its TTL unless it is alive");
+    line[RDZV_MSG_MAX - 1] = '\0';
+    memcpy(msg, line, RDZV_MSG_MAX);
+    return RDZV_ERR_DUPLICATE;
+}
+
+/* Registers nodes/<node> under this handle's lease: create-only, so a
+ * second live agent with this node id is refused; a registration whose
+ * incarnation is dead is taken over (docs/design.md, "Rounds"). A few
+ * attempts, since the key may change between the read and the txn. */
+static rdzv_err register_self(rdzv *r, int64_t *revision, char *msg)
+{
+    char key[RDZV_KEY_MAX];
+    rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", r->node);
+    rdzv_err err = RDZV_OK;
+    for (int attempt = 0; attempt < 4; attempt++) {
+        int won = 0, dead = 0;
+        r->incarnation = 1;
+        rdzv_probe_set_incarnation(r->probe, r->incarnation);
+        err = rdzv_register_node(r, r->api, key, NULL, NULL, &won, revision);
+        if (err != RDZV_OK) break;
+        if (won) return RDZV_OK;
+        etcd_kv kv;
+        etcd_err e = etcd_get(r->api, key, &kv);
+        if (e == ETCD_ERR_NOT_FOUND) continue; /* gone meanwhile: create it */
+        if (e != ETCD_OK) {
+            err = RDZV_ERR_ETCD;
+            break;
+        }
+        err = judge_registration(r, &kv, &dead, msg);
+        if (err == RDZV_OK) err = take_over(r, &kv, &won, revision);
+        etcd_kv_free(&kv);
+        if (err != RDZV_OK) break;
+        if (won) {
+            r->took_over = 1;
+            return RDZV_OK;
+        }
+    }
+    if (err == RDZV_ERR_ETCD)
+        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: register %s: %s", r->etcd.endpoints, r->node,
+                 etcd_last_error(r->api));
+    else if (err == RDZV_OK && !msg[0]) {
+        snprintf(msg, RDZV_MSG_MAX, "node id %s: registration in job %s keeps changing", r->node,
+                 r->cfg.job);
+        err = RDZV_ERR_DUPLICATE;
+    }
+    return err;
+}
+
+int64_t rdzv_incarnation(const rdzv *r, int *took_over)
+{
+    if (took_over) *took_over = r->took_over;
+    return r->incarnation;
+}
+
 rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
 {
     char scratch[RDZV_MSG_MAX];
@@ -297,6 +444,10 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     if ((err = check_job_state(r, msg)) != RDZV_OK) goto err;
     if ((err = check_job_limits(r, msg)) != RDZV_OK) goto err;
 
+    if ((err = rdzv_probe_start(r->cfg.addr, r->node, &r->probe)) != RDZV_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "cannot start the liveness probe");
+        goto err;
+    }
     etcd_err e = etcd_lease_grant(r->api, r->cfg.lease_ttl_s, &r->lease);
     if (e != ETCD_OK) {
         snprintf(msg, RDZV_MSG_MAX, "etcd at %s: lease grant: %s", r->etcd.endpoints,
@@ -305,22 +456,8 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
         goto err;
     }
 
-    /* Register: create-only, so a second live node with this id is refused. */
-    char key[RDZV_KEY_MAX];
-    rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", r->node);
-    int won = 0;
     int64_t reg_rev = 0;
-    err = rdzv_register_node(r, r->api, key, NULL, NULL, &won, &reg_rev);
-    if (err == RDZV_ERR_ETCD)
-        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: register %s: %s", r->etcd.endpoints, r->node,
-                 etcd_last_error(r->api));
-    if (err != RDZV_OK) goto err_lease;
-    if (!won) {
-        snprintf(msg, RDZV_MSG_MAX, "node id %s is already registered by a live node in job %s",
-                 r->node, r->cfg.job);
-        err = RDZV_ERR_DUPLICATE;
-        goto err_lease;
-    }
+    if ((err = register_self(r, &reg_rev, msg)) != RDZV_OK) goto err_lease;
 
     if ((err = rdzv_watch_round(r, reg_rev + 1)) != RDZV_OK) {
         snprintf(msg, RDZV_MSG_MAX, "cannot start watch threads");

@@ -180,17 +180,25 @@ char *rdzv_state_json(const char *state, const char *reason)
     return s;
 }
 
-rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                            const etcd_op *also, int *won, int64_t *revision)
+char *rdzv_node_value(const rdzv *r)
 {
     char *val = NULL;
     cJSON *o = cJSON_CreateObject();
     if (o) {
         cJSON_AddStringToObject(o, "addr", r->cfg.addr);
         cJSON_AddNumberToObject(o, "lws", r->cfg.local_world_size);
+        cJSON_AddNumberToObject(o, "inc", (double)r->incarnation);
+        cJSON_AddNumberToObject(o, "probe", rdzv_probe_port(r->probe));
         val = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
     }
+    return val;
+}
+
+rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
+                            const etcd_op *also, int *won, int64_t *revision)
+{
+    char *val = rdzv_node_value(r);
     if (!val) return RDZV_ERR_NOMEM;
     etcd_cmp cmps[2];
     size_t ncmps = 0;
@@ -344,9 +352,12 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LEFT, m->node, "node %s left", m->node);
         rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", m->node);
         const etcd_kv *kv = find_kv(s->nodes, key);
-        if (!kv || kv->lease != m->lease)
+        if (!kv)
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LOST, m->node,
                              "node %s lost (its lease ended)", m->node);
+        if (kv->lease != m->lease)
+            return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LOST, m->node,
+                             "node %s restarted (registered again under a new lease)", m->node);
     }
     if (rec->nmembers < r->cfg.max_nodes) {
         const char *waiting = me < 0 ? r->node : NULL;
@@ -433,13 +444,28 @@ out:
     return err == RDZV_OK ? STEP_AGAIN : (int)err;
 }
 
+/* A join of this node id under another lease is its dead incarnation's,
+ * left behind when this one took the registration over and the old lease
+ * was not revoked (yet): delete it, unless it changed meanwhile. */
+static int drop_stale_join(rdzv *r, const etcd_kv *kv)
+{
+    etcd_cmp same = {
+        .key = kv->key, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = kv->mod_revision};
+    etcd_op del = {.type = ETCD_OP_DELETE, .key = kv->key};
+    if (etcd_txn(r->dc, &same, 1, &del, 1, NULL, 0, NULL) != ETCD_OK) return RDZV_ERR_ETCD;
+    dlog_debug(&r->log, NULL, "deleted %s of lease %lld", kv->key, (long long)kv->lease);
+    return STEP_AGAIN;
+}
+
 static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
 {
     char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX];
     begin_seek(r);
     rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
              r->node);
-    if (!find_kv(s->joined, key)) {
+    const etcd_kv *own = find_kv(s->joined, key);
+    if (own && own->lease != r->lease) return drop_stale_join(r, own);
+    if (!own) {
         /* Join: create-only, and only while the round is still current. */
         rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
         rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/%s", r->node);
@@ -528,8 +554,16 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
     const etcd_kv *mine = find_kv(s.nodes, key);
     int rc;
     if (!mine || mine->lease != r->lease) {
-        rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_LEASE_LOST,
-                         "node %s: registration gone (lease expired or revoked)", r->node);
+        /* Taken over: an agent with this node id found this one silent
+         * and registered in its place. Either way this node is out. */
+        if (mine)
+            rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_LEASE_LOST,
+                             "node %s: registration taken over by another agent with this node "
+                             "id (lease %lld)",
+                             r->node, (long long)mine->lease);
+        else
+            rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_LEASE_LOST,
+                             "node %s: registration gone (lease expired or revoked)", r->node);
         r->terminal = 1;
         rc = RDZV_OK;
     } else if (rec->frozen) {

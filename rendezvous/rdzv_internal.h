@@ -5,7 +5,7 @@
  * value (`round`) that every agent watches. Keeping both in one place means
  * the protocol, the store and the status reader cannot disagree on a name.
  *
- *   nodes/<node>               registration {addr, lws}, bound to the lease
+ *   nodes/<node>               registration {addr, lws, inc, probe}, bound to the lease
  *   waiting/<node>             a node waiting for a round with room (lease)
  *   round                      the round record (below); txn-guarded
  *   epoch                      decimal round number, written with `round`
@@ -101,6 +101,7 @@ enum {
 };
 
 typedef struct rdzv_watcher rdzv_watcher; /* rdzv_watch.c */
+typedef struct rdzv_probe rdzv_probe;     /* probe.c */
 typedef struct rdzv_ev_node rdzv_ev_node; /* rdzv.c */
 
 struct rdzv {
@@ -116,7 +117,10 @@ struct rdzv {
     etcd_client *rep; /* reports and finish (failpoint name "api" too) */
     pthread_mutex_t rep_mu;
     int64_t lease;
-    int closed; /* left: written under api_mu and mu, read under either */
+    int64_t incarnation; /* of this node's registration (1, or one more than the one taken over) */
+    int took_over;       /* the registration was taken over from a dead incarnation */
+    rdzv_probe *probe;   /* the liveness responder; NULL when the address has none */
+    int closed;          /* left: written under api_mu and mu, read under either */
 
     /* events to the caller */
     pthread_mutex_t ev_mu;
@@ -176,6 +180,28 @@ char *rdzv_state_json(const char *state, const char *reason);
  * which revision. */
 rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
                             const etcd_op *also, int *won, int64_t *revision);
+
+/* The value of this node's registration and joins: {addr, lws, inc,
+ * probe} (malloc'd), probe being the port of its liveness responder. */
+char *rdzv_node_value(const rdzv *r);
+
+/* probe.c: the liveness probe of a registration. */
+typedef enum { RDZV_PROBE_DEAD, RDZV_PROBE_ALIVE, RDZV_PROBE_UNKNOWN } rdzv_probe_verdict;
+/* Starts the responder on a port of addr's family. *out stays NULL (and
+ * RDZV_OK) when addr names no usable address: such a node is never taken
+ * over. */
+rdzv_err rdzv_probe_start(const char *addr, const char *node, rdzv_probe **out);
+int rdzv_probe_port(const rdzv_probe *p); /* 0 for NULL */
+/* The incarnation the responder answers with; set before the registration
+ * that names it is written. */
+void rdzv_probe_set_incarnation(rdzv_probe *p, int64_t inc);
+void rdzv_probe_stop(rdzv_probe *p);
+/* Asks addr:port whether incarnation inc of node answers, within
+ * timeout_ms: ALIVE (it does), DEAD (refused, reset, closed or another
+ * answer: nobody of that incarnation holds the port), UNKNOWN (silence,
+ * unreachable, no probe). why receives a one-line reason. */
+rdzv_probe_verdict rdzv_probe_check(const char *addr, int port, const char *node, int64_t inc,
+                                    int timeout_ms, char *why, size_t len);
 
 /* rdzv_watch.c: what wakes the driver. */
 /* Waits on r->cv until until_ms (0: forever) or stop; returns 1 on stop.

@@ -78,7 +78,7 @@ const char *rdzv_strerror(rdzv_err err)
     case RDZV_ERR_JOB_FAILED:
         return "job failed";
     case RDZV_ERR_DUPLICATE:
-        return "node id already in use by a live node";
+        return "node id already in use";
     case RDZV_ERR_CLOSED:
         return "handle closed";
     case RDZV_ERR_PROTOCOL:

@@ -25,6 +25,10 @@
  *                    let etcd apply it, then report the answer as lost (the
  *                    "may have been applied" case of a leader change);
  *                    sleep:MS: stall the call that long, then make it.
+ *   rdzv.probe       a new agent's liveness probe of the registered
+ *                    incarnation of its node id (rdzv_open); ACTION dead:
+ *                    judge it dead without asking, as a firewall that
+ *                    rejects the probe would (the worst wrong verdict).
  *   ring.connect     a ring bootstrap of world >= 2 (the first and every
  *                    rebuild); ACTION fail: it fails at once with a timeout,
  *                    as if the left neighbour never connected, and publishes

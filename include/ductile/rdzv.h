@@ -33,7 +33,7 @@ typedef enum {
     RDZV_ERR_LEASE_LOST, /* this node's lease expired: it is out of the job */
     RDZV_ERR_JOB_DONE,   /* the job has completed */
     RDZV_ERR_JOB_FAILED, /* the job has failed (restart limit reached) */
-    RDZV_ERR_DUPLICATE,  /* a live node already uses this node id */
+    RDZV_ERR_DUPLICATE,  /* this node id is registered by an agent that is (or may be) alive */
     RDZV_ERR_CLOSED,     /* the handle is leaving or closed */
     RDZV_ERR_PROTOCOL,   /* malformed data found under the job's keys */
 } rdzv_err;
@@ -84,6 +84,9 @@ typedef struct rdzv_config {
     int join_timeout_ms;  /* a round must freeze within this, else RDZV_EV_ERROR;
                              0 means 600000. A hot spare has no such deadline. */
     int max_restarts;     /* job-wide failure budget; the first agent's value is kept */
+    int no_takeover;      /* 1: never take over a registration of this node id, even from a
+                             dead incarnation (an agent registering again after losing its
+                             own registration must not take it back) */
 } rdzv_config;
 
 typedef struct rdzv_member {
@@ -146,9 +149,21 @@ typedef struct rdzv rdzv;
 /* Connects, registers nodes/<node_id> under a new lease and starts the driver,
  * which joins the current or next round at once. Fails with
  * RDZV_ERR_JOB_DONE / RDZV_ERR_JOB_FAILED when the job has already ended, and
- * RDZV_ERR_DUPLICATE when a live node holds this node id. msg (may be NULL,
- * RDZV_MSG_MAX bytes) receives a one-line reason on failure. */
+ * RDZV_ERR_DUPLICATE when this node id is registered by an agent that
+ * answers its liveness probe, or does not answer within RDZV_PROBE_TIMEOUT_MS
+ * (its lease ends in at most its TTL). A registration whose agent is gone
+ * (its probe port refuses) is taken over at once, unless cfg->no_takeover:
+ * a restarted pod rejoins in the next round (docs/design.md, "Rounds").
+ * msg (may be NULL, RDZV_MSG_MAX bytes) receives a one-line reason on
+ * failure. */
 rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg);
+
+/* How long rdzv_open waits for a registered incarnation to answer. */
+#define RDZV_PROBE_TIMEOUT_MS 2000
+
+/* The incarnation of this node's registration (1 for a node id nobody held);
+ * *took_over (may be NULL) says whether it was taken over from a dead one. */
+int64_t rdzv_incarnation(const rdzv *r, int *took_over);
 
 /* Readable (poll POLLIN) while an event is pending. */
 int rdzv_fd(const rdzv *r);

@@ -4,7 +4,7 @@
  *   rdzv_participant --endpoints URL --job J --node N [--addr A] [--lws K]
  *       [--min N] [--max N] [--last-call-ms MS] [--ttl S] [--join-timeout-ms MS]
  *       [--max-restarts N] [--etcd-timeout-ms MS] [--exit-after-frozen N]
- *       [--failpoints SPEC]
+ *       [--no-takeover 0|1] [--failpoints SPEC]
  *
  * Every event becomes one line on stdout ("WORD key=value ..."), flushed at
  * once, so a test can read what each participant believes. Commands on
@@ -140,6 +140,8 @@ int main(int argc, char **argv)
             cfg.etcd.timeout_ms = int_arg(v, f);
         else if (!strcmp(f, "--exit-after-frozen"))
             exit_after = int_arg(v, f);
+        else if (!strcmp(f, "--no-takeover"))
+            cfg.no_takeover = int_arg(v, f);
         else if (!strcmp(f, "--failpoints"))
             setenv("DUCTILE_FAILPOINTS", v, 1);
         else
@@ -156,7 +158,10 @@ int main(int argc, char **argv)
         printf("OPEN_ERR node=%s err=%s msg=%s\n", cfg.node_id, err_name(err), msg);
         return 1;
     }
-    printf("OPEN ok node=%s t=%.3f\n", cfg.node_id, mono_now_s());
+    int took_over = 0;
+    long long inc = (long long)rdzv_incarnation(r, &took_over);
+    printf("OPEN ok node=%s t=%.3f inc=%lld took_over=%d\n", cfg.node_id, mono_now_s(), inc,
+           took_over);
 
     int frozen = 0, done = 0, stdin_open = 1, left = 0;
     char line[512];
