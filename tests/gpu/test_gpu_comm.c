@@ -17,6 +17,10 @@
  *   peer_free_first  the same, then the buffer is freed before the comm (the
  *                  reducer's order): the failed collective left nothing queued
  *                  on it (the runtime reports a free under queued work);
+ *   peer_late      the same, but the survivors call the collective a second
+ *                  after the peer died, so the runtime has (almost always)
+ *                  seen the loss already and the call itself returns the
+ *                  error: a peer's loss whichever way it arrives;
  *   cancel         a peer never comes to the init, and the round is declared
  *                  over (the cancel hook): the init ends COMM_ERR_ABORTED
  *                  (or, on a rank that sees rank 0's root go first, a
@@ -112,11 +116,14 @@ static int finalize_rank(tc_group *g, int rank, void *arg)
     return 0;
 }
 
-/* ---- peer_system, peer_remote ---- */
+/* ---- peer_system, peer_remote, peer_free_first, peer_late ---- */
+
+enum { PEER_PLAIN, PEER_FREE_FIRST, PEER_LATE };
 
 static int peer_rank(tc_group *g, int rank, void *arg)
 {
-    int free_first = arg != NULL; /* the reducer's order: its buckets go before the comm */
+    int mode = (int)(intptr_t)arg;
+    int free_first = mode == PEER_FREE_FIRST; /* the reducer's order: buckets go before the comm */
     comm *c = tc_connect_or_exit(g, rank);
     CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
     int last = g->world - 1;
@@ -130,6 +137,7 @@ static int peer_rank(tc_group *g, int rank, void *arg)
         _exit(0);
     }
     g->shared->progress[rank] = 1;
+    if (mode == PEER_LATE) tc_sleep_ms(1000); /* the loss is known before the call */
     float *x = NULL; /* device memory: only the error's kind is under test */
     CHECK_OR_RETURN(cudaMalloc((void **)&x, 16 * sizeof(float)) == cudaSuccess);
     comm_err err = comm_allreduce_sum_f32(c, x, 16);
@@ -216,6 +224,7 @@ static const test_case cases[] = {
     {"peer_system", 3, peer_rank},
     {"peer_remote", 3, peer_rank},
     {"peer_free_first", 3, peer_rank},
+    {"peer_late", 3, peer_rank},
     {"cancel", 3, cancel_rank},
     {"deadlines", 3, deadlines_rank},
 };
@@ -242,7 +251,10 @@ int main(int argc, char **argv)
         CHECK_OR_EXIT(tc_group_open(&g, cases[i].world, etcd, job) == 0);
         g.nccl = 1;
         g.timeout_ms = 20000;
-        void *arg = strcmp(argv[1], "peer_free_first") == 0 ? (void *)1 : NULL;
+        int mode = strcmp(argv[1], "peer_free_first") == 0 ? PEER_FREE_FIRST
+                   : strcmp(argv[1], "peer_late") == 0     ? PEER_LATE
+                                                           : PEER_PLAIN;
+        void *arg = (void *)(intptr_t)mode;
         CHECK(tc_run(&g, cases[i].fn, arg, 60) == 0, "%s: a rank failed", cases[i].name);
         tc_group_free(&g);
         test_etcd_stop(&e);
