@@ -81,8 +81,9 @@ typedef struct agent {
     agent_task report;   /* the failure report in flight */
     int64_t report_round;
     char report_reason[600];
-    agent_task finish; /* marking the job complete */
-    int64_t started;   /* newest round taken: an older or equal FROZEN is stale */
+    int report_suspect; /* the report is of a worker's error exit: checked for a peer's death */
+    agent_task finish;  /* marking the job complete */
+    int64_t started;    /* newest round taken: an older or equal FROZEN is stale */
     int done;
     int exit_code;
     int signals;
@@ -177,15 +178,35 @@ static void on_workers_gone(agent *a)
 typedef struct rz_job {
     rdzv *rz;
     int first_hand;
+    int suspect; /* a worker's error exit, which a peer's death may have caused */
     int64_t restarts;
     char reason[600];
+    int nothers; /* the round's other members, to check (rdzv_check_members) */
+    char **others;
 } rz_job;
 
 static void rz_job_free(void *p)
 {
     rz_job *j = p;
     rdzv_release(j->rz);
+    for (int i = 0; i < j->nothers; i++)
+        free(j->others[i]);
+    free(j->others);
     free(j);
+}
+
+/* The node ids of the round's other members, for the job's check. */
+static int rz_job_others(rz_job *j, const rdzv_round *r)
+{
+    j->others = calloc((size_t)r->nmembers + 1, sizeof(char *));
+    if (!j->others) return -1;
+    for (int i = 0; i < r->nmembers; i++) {
+        if (i == r->my_rank || !r->members[i].node_id) continue;
+        j->others[j->nothers] = strdup(r->members[i].node_id);
+        if (!j->others[j->nothers]) return -1;
+        j->nothers++;
+    }
+    return 0;
 }
 
 static rz_job *rz_job_new(agent *a)
@@ -197,23 +218,43 @@ static rz_job *rz_job_new(agent *a)
     return j;
 }
 
-/* The report's answer: "ERR RESTARTS COUNTED". */
+/* The report's answer: "ERR RESTARTS COUNTED GONE NAMES". A worker's error
+ * exit is first checked against the round's other members: if one of
+ * their agents is gone (a pod lost), the exit was its loss, reported as a
+ * lost peer. A lost peer is reported first and checked after: the report
+ * ends the round at once, the check (revoking a dead member's lease) lets
+ * the next one freeze without waiting for that member. */
 static void report_main(void *arg, char *answer, size_t len)
 {
     rz_job *j = arg;
     int64_t restarts = j->restarts;
-    int counted = j->first_hand;
-    rdzv_err err = j->first_hand ? rdzv_report_failure(j->rz, j->reason, &restarts)
-                                 : rdzv_report_peer_lost(j->rz, j->reason, &restarts, &counted);
-    snprintf(answer, len, "%d %lld %d", (int)err, (long long)restarts, counted);
+    int gone = 0;
+    char names[300] = "";
+    const char *const *others = (const char *const *)j->others;
+    if (j->suspect)
+        (void)rdzv_check_members(j->rz, others, j->nothers, RDZV_PROBE_TIMEOUT_MS, &gone, names,
+                                 sizeof(names));
+    int first_hand = j->first_hand && gone == 0;
+    int counted = first_hand;
+    rdzv_err err = first_hand ? rdzv_report_failure(j->rz, j->reason, &restarts)
+                              : rdzv_report_peer_lost(j->rz, j->reason, &restarts, &counted);
+    if (!j->first_hand)
+        (void)rdzv_check_members(j->rz, others, j->nothers, RDZV_PROBE_TIMEOUT_MS, &gone, names,
+                                 sizeof(names));
+    snprintf(answer, len, "%d %lld %d %d %s", (int)err, (long long)restarts, counted, gone, names);
 }
 
 /* What the report of a->report_round came back with. A report that cannot
  * be made ends the agent, whatever round it is in by then: it must not
  * idle, healthy-looking, in a round nobody else knows is broken. */
-static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted)
+static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted, int gone,
+                        const char *names)
 {
     const char *reason = a->report_reason;
+    if (gone > 0)
+        dlog_info(&a->lg, "members_gone", "round %lld: %d member%s gone, lease revoked: %s%s",
+                  (long long)a->report_round, gone, gone == 1 ? "" : "s", names,
+                  a->report_suspect ? "; the worker's exit was a lost peer" : "");
     if (err == RDZV_OK) {
         if (restarts > a->restarts) a->restarts = restarts; /* the job-wide count only grows */
         if (counted)
@@ -251,37 +292,62 @@ static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted)
  * round, on a task: the loop goes on and report_done takes the answer. A
  * newer round's report makes the loop forget an older one's answer (its
  * thread still makes its write). */
-static void report_failure(agent *a, const char *reason, int first_hand)
+static void report_start(agent *a, const char *reason, int first_hand, int suspect)
 {
     if (a->failure_reported) return;
     a->failure_reported = 1;
     a->report_round = a->round.number;
+    a->report_suspect = suspect && first_hand;
     snprintf(a->report_reason, sizeof(a->report_reason), "%s", reason);
     rz_job *j = rz_job_new(a);
     if (j) {
         j->first_hand = first_hand;
+        j->suspect = suspect && first_hand;
         j->restarts = a->restarts;
         snprintf(j->reason, sizeof(j->reason), "%s", reason);
+        if (rz_job_others(j, &a->round) != 0) {
+            rz_job_free(j);
+            j = NULL;
+        }
     }
     if (!j || agent_task_start(&a->report, report_main, j, rz_job_free) != 0)
-        report_done(a, RDZV_ERR_NOMEM, a->restarts, 0);
+        report_done(a, RDZV_ERR_NOMEM, a->restarts, 0, 0, "");
+}
+
+static void report_failure(agent *a, const char *reason, int first_hand)
+{
+    report_start(a, reason, first_hand, 0);
+}
+
+/* 1 when a reaped worker's end may be a peer's death seen from here: an
+ * error exit of its own (a PyTorch script whose collective raised), not a
+ * signal, a hang, or a crash the agent caused. The report then asks whose
+ * loss it was (report_main). */
+static int exit_may_be_peer(const agent *a, const agent_worker *w)
+{
+    if (a->round.nmembers < 2 || w->hung[0] || !WIFEXITED(w->status)) return 0;
+    int code = WEXITSTATUS(w->status);
+    return code != 0 && code != CTL_EXIT_PEER_LOST;
 }
 
 static void on_report(agent *a)
 {
     char line[AGENT_TASK_ANSWER_MAX];
-    int e = RDZV_ERR_NOMEM, counted = 0;
+    int e = RDZV_ERR_NOMEM, counted = 0, gone = 0, at = 0;
     long long restarts = a->restarts;
     if (agent_task_read(&a->report, line, sizeof(line)) != 0 ||
-        sscanf(line, "%d %lld %d", &e, &restarts, &counted) != 3)
+        sscanf(line, "%d %lld %d %d %n", &e, &restarts, &counted, &gone, &at) != 4) {
         e = RDZV_ERR_NOMEM; /* the thread could not even answer */
-    report_done(a, (rdzv_err)e, restarts, counted);
+        gone = at = 0;
+        line[0] = '\0';
+    }
+    report_done(a, (rdzv_err)e, restarts, counted, gone, line + at);
 }
 
 /* A worker of this node failed (exited non-zero, was killed, or reported a
  * failure or a lost peer in restart mode): stop the rest and end the round,
  * as a failure when first_hand. */
-static void worker_failed(agent *a, const char *reason, int first_hand)
+static void worker_failed(agent *a, const char *reason, int first_hand, int suspect)
 {
     dlog_warn(&a->lg, "worker_failed", "round %lld: %s; stopping the other workers",
               (long long)a->round.number, reason);
@@ -291,7 +357,7 @@ static void worker_failed(agent *a, const char *reason, int first_hand)
     }
     stop_workers(a, a->o->stop_grace_ms);
     a->in_round = 0;
-    report_failure(a, reason, first_hand);
+    report_start(a, reason, first_hand, suspect);
     if (!workers_alive(a) && !a->done) on_workers_gone(a);
 }
 
@@ -323,7 +389,7 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
                       "round %lld: %s", (long long)a->round.number, reason);
             report_failure(a, reason, first_hand);
         } else {
-            worker_failed(a, reason, first_hand);
+            worker_failed(a, reason, first_hand, 0);
         }
         break;
     }
@@ -757,7 +823,7 @@ static void on_reaped(agent *a, pid_t pid, int status)
             if (lost)
                 snprintf(reason, sizeof(reason), "worker rank %d lost a peer (exit status %d)",
                          w->rank, CTL_EXIT_PEER_LOST);
-            worker_failed(a, reason, agent_worker_first_hand(w));
+            worker_failed(a, reason, agent_worker_first_hand(w), exit_may_be_peer(a, w));
             return;
         }
         if (workers_alive(a) == 0) {
@@ -781,7 +847,7 @@ static void on_reaped(agent *a, pid_t pid, int status)
          * still one counted failure (report_failure reports once a round). */
         dlog_warn(&a->lg, "worker_failed", "round %lld: %s while stopping",
                   (long long)a->round.number, reason);
-        report_failure(a, reason, 1);
+        report_start(a, reason, 1, exit_may_be_peer(a, w));
     } else if (a->state == AGENT_SHUTDOWN || a->state == AGENT_STOPPING) {
         dlog_info(&a->lg, "worker_stopped", "%s", reason);
     }

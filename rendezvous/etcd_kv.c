@@ -142,7 +142,9 @@ static cJSON *build_op(const etcd_op *op)
             !etcd_add_b64(r, "value", op->value, op->value_len) ||
             (op->lease && !etcd_add_int64(r, "lease", op->lease)))
             goto err_o;
-    } else if (!etcd_add_key_range(r, op->key, op->prefix)) {
+    } else if (!etcd_add_key_range(r, op->key, op->prefix) ||
+               (op->type == ETCD_OP_RANGE && op->count_only &&
+                !cJSON_AddBoolToObject(r, "count_only", 1))) {
         goto err_o;
     }
     return o;

@@ -229,14 +229,7 @@ static rdzv_err check_job_limits(rdzv *r, char *msg)
 
 /* ---- registration: create, or take over from a dead incarnation ---- */
 
-/* What a registration says of its incarnation: addr, inc, probe port. */
-typedef struct reg_info {
-    char addr[1025];
-    int64_t inc;
-    int probe;
-} reg_info;
-
-static void parse_registration(const etcd_kv *kv, reg_info *out)
+void rdzv_reg_parse(const etcd_kv *kv, rdzv_reg *out)
 {
     memset(out, 0, sizeof(*out));
     cJSON *o = cJSON_ParseWithLength(kv->value, kv->value_len);
@@ -286,8 +279,8 @@ static rdzv_err take_over(rdzv *r, const etcd_kv *kv, int *won, int64_t *revisio
  * then *dead is set and r->incarnation is the next one. */
 static rdzv_err judge_registration(rdzv *r, const etcd_kv *kv, int *dead, char *msg)
 {
-    reg_info old;
-    parse_registration(kv, &old);
+    rdzv_reg old;
+    rdzv_reg_parse(kv, &old);
     char why[RDZV_MSG_MAX] = "";
     /* Not taking over at all: no probe, which could stall the caller. */
     rdzv_probe_verdict v = RDZV_PROBE_UNKNOWN;

@@ -34,6 +34,7 @@
 typedef struct snapshot {
     etcd_txn_result txn;
     etcd_range_result *nodes, *waiting, *joined, *left;
+    int64_t registered; /* open round: how many nodes are registered (a count) */
     int64_t revision;
 } snapshot;
 
@@ -78,8 +79,9 @@ rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod
 
 /* The snapshot a step needs, read in one txn guarded by the round record's
  * mod_revision: for a frozen round the node keys, waiting keys and leave
- * markers; for an open round its joins and this node's own key. Reading
- * only what the state needs keeps a round of N agents at O(N) keys each. */
+ * markers; for an open round its joins, this node's own key and the count
+ * (only) of registered nodes. Reading only what the state needs keeps a
+ * round of N agents at O(N) keys each. */
 static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
 {
     char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX],
@@ -94,6 +96,8 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
     rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", number);
     rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", number);
     etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
+    char all[RDZV_KEY_MAX];
+    rdzv_key(all, sizeof(all), r->cfg.job, "nodes/");
     etcd_op ops[3];
     ops[0] = (etcd_op){.type = ETCD_OP_RANGE, .key = nodes, .prefix = rec->frozen};
     if (rec->frozen) {
@@ -101,8 +105,9 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
         ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
     } else {
         ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
+        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .count_only = 1};
     }
-    size_t nops = rec->frozen ? 3 : 2;
+    size_t nops = 3;
     memset(s, 0, sizeof(*s));
     etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
@@ -115,6 +120,7 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
         s->left = &s->txn.ranges[2];
     } else {
         s->joined = &s->txn.ranges[1];
+        s->registered = s->txn.ranges[2].count;
     }
     s->revision = s->txn.revision;
     return RDZV_OK;
@@ -512,8 +518,15 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
             r->fz_maxrev = maxrev;
             r->fz_last_join = now;
         }
+        /* After the job's first round, a round that every registered node
+         * has joined freezes at once: nobody is left to wait for (a node
+         * that registers now waits for the next round, as after the last
+         * call), so a lost member costs no last call. The first round keeps
+         * its last call, for the agents of a starting job still on their way. */
+        int all_in = rec->nprev > 0 && (int64_t)n >= s->registered;
         if ((int64_t)n >= r->cfg.max_nodes ||
-            ((int64_t)n >= r->cfg.min_nodes && now >= r->fz_last_join + r->cfg.last_call_ms))
+            ((int64_t)n >= r->cfg.min_nodes &&
+             (all_in || now >= r->fz_last_join + r->cfg.last_call_ms)))
             rc = freeze(r, rec, mod, joined, n);
         else if ((int64_t)n >= r->cfg.min_nodes)
             r->last_call_at = r->fz_last_join + r->cfg.last_call_ms;

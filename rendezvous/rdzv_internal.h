@@ -185,6 +185,16 @@ rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd
  * probe} (malloc'd), probe being the port of its liveness responder. */
 char *rdzv_node_value(const rdzv *r);
 
+/* What a registration says of its incarnation: addr, inc, probe port
+ * (zero when missing or malformed: such a registration is never judged
+ * dead). */
+typedef struct rdzv_reg {
+    char addr[1025];
+    int64_t inc;
+    int probe;
+} rdzv_reg;
+void rdzv_reg_parse(const etcd_kv *kv, rdzv_reg *out);
+
 /* probe.c: the liveness probe of a registration. */
 typedef enum { RDZV_PROBE_DEAD, RDZV_PROBE_ALIVE, RDZV_PROBE_UNKNOWN } rdzv_probe_verdict;
 /* Starts the responder on a port of addr's family. *out stays NULL (and

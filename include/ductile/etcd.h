@@ -144,6 +144,7 @@ typedef struct etcd_op {
     etcd_op_type type;
     const char *key;
     int prefix;        /* RANGE and DELETE: whole prefix */
+    int count_only;    /* RANGE: only the count of matching keys (no kvs) */
     const void *value; /* PUT */
     size_t value_len;
     int64_t lease; /* PUT */

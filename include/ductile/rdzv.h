@@ -207,6 +207,21 @@ rdzv_err rdzv_next_event(rdzv *r, int timeout_ms, rdzv_event *ev);
 rdzv_err rdzv_report_failure(rdzv *r, const char *reason, int64_t *restarts);
 rdzv_err rdzv_report_peer_lost(rdzv *r, const char *reason, int64_t *restarts, int *counted);
 
+/* Whose loss is it? A worker of this node exited with an error, or lost a
+ * peer: for each of nodes[0..n) (the other members of this node's round, as
+ * the agent has it), its registration says whether its agent is gone
+ * (the node key missing or held by another incarnation, or its liveness
+ * probe refused: the process that held the port is dead). Each gone
+ * member's lease is revoked, so the round ends as MEMBER_LOST at once and
+ * the next round, which every registered node then joins, freezes without
+ * waiting for it. A member that does not answer within timeout_ms in all
+ * (a stopped or cut-off agent) is not judged: its lease decides. *gone
+ * counts the members found gone; names (may be NULL) lists them, comma
+ * separated. Counts nothing against the restart budget. Like the reports,
+ * from any thread, holding the handle. */
+rdzv_err rdzv_check_members(rdzv *r, const char *const *nodes, int n, int timeout_ms, int *gone,
+                            char *names, size_t len);
+
 /* The job completed: mark it done so that every agent, and any that starts
  * later, sees RDZV_EV_JOB_DONE / RDZV_ERR_JOB_DONE. Retries like the
  * reports above. */

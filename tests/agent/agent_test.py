@@ -317,6 +317,41 @@ def case_sigkill_mesh(job):
     check("restart limit" not in a.log() + job.agents[1].log(), "no restart counted")
 
 
+def case_sigkill_script(job):
+    """A pod lost under workers that know nothing of the agent (a PyTorch
+    script: its collective raises, it exits 1). Their agents ask whose loss
+    it was: the dead pod's agent is gone (its probe refuses), so its lease is
+    revoked, the exits are a lost peer, not a failure (--max-restarts 0 and
+    the job goes on), and the survivors' round forms at once, long before
+    the dead agent's 30 s lease would have ended."""
+    ttl = 30
+    job.flags += ["--lease-ttl", str(ttl), "--stop-grace", "2", "--nnodes", "2:3",
+                  "--max-restarts", "0"]
+    env = {"AGENT_TEST_MESH": "1", "AGENT_TEST_MESH_EXIT": "1"}
+    a, b, c = (job.start(n, env=env) for n in ("node-a", "node-b", "node-c"))
+    rnd = job.wait_round(3, 60)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    for w in workers_of(job, c):
+        os.kill(w["_pid"], signal.SIGKILL)
+    c.proc.kill()
+    rnd2 = job.wait_round(2, ttl + 30, newer_than=rnd)
+    took = time.monotonic() - t0
+    check(took < ttl, "new round after %.1f s, not before the %d s lease TTL" % (took, ttl))
+    ws = job.round_workers(rnd2)
+    check({int(w["TEST_PPID"]) for w in ws} == {a.proc.pid, b.proc.pid},
+          "the new round holds the survivors only")
+    check(all(w["TORCHELASTIC_RESTART_COUNT"] == "0" for w in ws), "no restart used")
+    logs = a.log() + b.log()
+    check(re.search(r"member gone, lease revoked: node-c \(", logs), "node-c found gone: " + logs)
+    check("the worker's exit was a lost peer" in logs, "an exit taken for a lost peer")
+    check(a.alive() and b.alive(), "survivors still running")
+    check(job_restarts(job) == 0, "no restart counted, got %s" % job_restarts(job))
+    job.command("all", "exit 0")
+    for ag in (a, b):
+        check(ag.wait_exit(30) == 0, "agent %s exits 0 at the job's end:\n%s" % (ag.node, ag.log()))
+
+
 def case_sigkill_ttl(job):
     ttl = 3
     took = kill_case(job, ttl, mesh=False)
@@ -944,13 +979,15 @@ def torch_python():
 
 def case_torch_ddp(job):
     """An unmodified PyTorch DDP script (gloo, env://) under 2 agents in restart
-    mode: it trains; SIGKILL one agent and it restarts at world size 1 and
-    resumes from its own checkpoint."""
+    mode, with the default flags (no restart budget): it trains; SIGKILL one
+    agent (its worker dies with it: a pod lost) and it restarts at world size
+    1 and resumes from its own checkpoint. The survivor's script exits 1 on
+    the lost gloo peer; its agent finds the dead pod's agent gone, so the
+    restart is a membership change: the count stays 0 and the job finishes."""
     py = torch_python()
     if not py:
         raise Skip("torch is not installed (make test-torch installs it)")
-    job.flags += ["--lease-ttl", "5", "--last-call", "1", "--stop-grace", "3",
-                  "--nnodes", "1:2", "--max-restarts", "3", "--shutdown-timeout", "10"]
+    job.flags += ["--nnodes", "1:2"]
     ckpt = os.path.join(job.dir, "ckpt")
     os.mkdir(ckpt)
     total = 150
@@ -980,7 +1017,9 @@ def case_torch_ddp(job):
     check(first_one > 1 and first_one <= max(two) + 1,
           "resumed from the checkpoint: first step at world 1 is %d, last at world 2 %d" %
           (first_one, max(two)))
-    check(one[0][1] != "0", "TORCHELASTIC_RESTART_COUNT went up: %r" % (one[0],))
+    check(one[0][1] == "0", "TORCHELASTIC_RESTART_COUNT stayed 0: %r" % (one[0],))
+    check(job_restarts(job) == 0, "no restart counted, got %s" % job_restarts(job))
+    check("the worker's exit was a lost peer" in a.log(), "the exit taken for a lost peer")
     check(re.search(r"resumed at step \d+, world size 1", a.out()), "the script says it resumed")
     with open(os.path.join(ckpt, "done")) as f:
         step, world, _ = f.read().split()
