@@ -13,6 +13,15 @@ means every worker of the new round has started and written its report.
                             ("job failed" when an agent counted it).
   SIGKILL, silent           no worker notices; only the lease expiry does.
                             Baseline: the lease TTL.
+  SIGSTOP worker            a worker stops (hung, its sockets open); its own
+                            agent's watchdog (--hang-timeout 10) kills it and
+                            the next round runs with a fresh one. Baseline:
+                            the bound (10 s).
+  pod restarted, same id    an agent and its worker are killed and the agent
+                            starts again at once with its node id; it takes
+                            its dead incarnation's registration over. Until
+                            the next round runs with it again. Baseline: the
+                            lease TTL (what the restart waited before).
   SIGTERM                   the agent leaves cleanly. Baseline: the lease TTL
                             (what a peer would wait without the clean leave).
   new agent                 a 4th agent starts beside 3 running ones (room up
@@ -71,6 +80,38 @@ def trial_kill(i, mesh, max_restarts=1000):
             r = job.running_round(3)
             return r if r is not None and r > rnd else None
         at.wait_for(next_round, TTL + 30, "a round of 3")
+        return time.monotonic() - t0
+    finally:
+        job.cleanup(False)
+
+
+HANG = 10
+
+
+def trial_stop(i):
+    job = at.Job("bench-stop-%d-%d" % (i, os.getpid()), flags() + ["--hang-timeout", str(HANG)])
+    try:
+        for n in range(4):
+            job.start("node-%d" % n)
+        rnd = job.wait_round(4, 60)
+        time.sleep(0.3)
+        victim = at.workers_of(job, job.agents[3])[0]["_pid"]
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGSTOP)
+        job.wait_round(4, HANG + 60, newer_than=rnd)
+        return time.monotonic() - t0
+    finally:
+        job.cleanup(False)
+
+
+def trial_restart(i):
+    job, agents, rnd = four("bench-restart-%d-%d" % (i, os.getpid()))
+    try:
+        t0 = time.monotonic()
+        agents[3].proc.kill()
+        agents[3].proc.wait()
+        job.start("node-3")
+        job.wait_round(4, TTL + 60, newer_than=rnd)
         return time.monotonic() - t0
     finally:
         job.cleanup(False)
@@ -174,6 +215,10 @@ def main():
                          "lease TTL", "%.3f s" % TTL, float("nan")))
         timed("SIGKILL -> next round running (silent, lease)", lambda i: trial_kill(i, False),
               "lease TTL", TTL)
+        timed("SIGSTOP worker -> next round running without it", trial_stop,
+              "--hang-timeout", HANG)
+        timed("pod restarted, same id -> back in a running round", trial_restart, "lease TTL",
+              TTL)
         timed("SIGTERM -> next round running", trial_term, "lease TTL", TTL)
         solo = statistics.median(solo_start(i) for i in range(n))
         timed("new agent -> next round running", trial_join, "one agent alone, start", solo)

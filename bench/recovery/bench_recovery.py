@@ -3,10 +3,15 @@
 training step at the new size, for 4 agents on 127.0.0.1.
 
 Events: a worker SIGKILLed (size stays 4), an agent SIGKILLed with its worker
-(4 -> 3), an agent SIGTERMed (scale-down, 4 -> 3), a new agent (3 -> 4).
+(4 -> 3), an agent SIGTERMed (scale-down, 4 -> 3), a new agent (3 -> 4), a
+worker SIGSTOPped (hung with its sockets open; size stays 4: ductile's agents
+run with --hang-timeout 10), and a pod restarted with its own node id (the
+agent and its worker SIGKILLed and started again at once; 4 -> 4).
 Runs: ductile in place and by restart (--last-call 1 --lease-ttl 3), each
 also with no restart budget (inplace0, restart0: --max-restarts 0, where a
-pod lost must stay a membership change, not a failure), and
+pod lost must stay a membership change, not a failure); `script`: ductile by
+restart with its default flags (lease 10 s, last call 5 s, no restart
+budget) running the PyTorch script torchrun runs; and
 torchrun (c10d rendezvous) with its defaults and with its fastest settings
 (last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3),
 running the same MLP on the same data with PyTorch DDP (gloo). Every output
@@ -115,14 +120,18 @@ class Ductile:
         self.etcd = Etcd(d)
         self.job = "rec-%s-%d" % (mode, trial)
 
+    def agent_cmd(self, name):
+        return [self.a.agent, "--nnodes", "2:5", "--rdzv-endpoint", self.etcd.url,
+                "--rdzv-id", self.job, "--node-id", name, "--node-addr", "127.0.0.1",
+                "--hang-timeout", "10"]
+
     def start(self, name, lines):
-        cmd = [self.a.agent, "--nnodes", "2:5", "--rdzv-endpoint", self.etcd.url,
-               "--rdzv-id", self.job, "--node-id", name, "--node-addr", "127.0.0.1",
-               "--lease-ttl", "3", "--last-call", "1", "--rebuild", self.mode,
-               "--max-restarts", str(self.max_restarts), "--stop-grace", "3", "--", self.a.train,
-               "--data", self.a.data, "--limit-train", "6000", "--epochs", "1000",
-               "--batch-size", "64", "--threads", "1", "--log-every", "1",
-               "--checkpoint-dir", os.path.join(self.d, "ck"), "--checkpoint-every", "10"]
+        cmd = self.agent_cmd(name) + [
+            "--lease-ttl", "3", "--last-call", "1", "--rebuild", self.mode,
+            "--max-restarts", str(self.max_restarts), "--stop-grace", "3", "--", self.a.train,
+            "--data", self.a.data, "--limit-train", "6000", "--epochs", "1000",
+            "--batch-size", "64", "--threads", "1", "--log-every", "1",
+            "--checkpoint-dir", os.path.join(self.d, "ck"), "--checkpoint-every", "10"]
         return Proc(name, cmd, lines)
 
     def worker(self, proc):
@@ -137,6 +146,29 @@ class Ductile:
 
     def stop(self):
         self.etcd.stop()
+
+
+class Script(Ductile):
+    """ductile-agent with its default flags (restart, lease 10 s, last call
+    5 s, --max-restarts 0) running the PyTorch script torchrun runs."""
+
+    def __init__(self, a, d, trial):
+        Ductile.__init__(self, a, "script", d, trial)
+
+    def start(self, name, lines):
+        cmd = self.agent_cmd(name) + [
+            "--", self.a.python, os.path.join(self.a.here, "torch_mlp.py"), "--data", self.a.data,
+            "--checkpoint", os.path.join(self.d, "torch.ckpt")]
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        return Proc(name, cmd, lines, env)
+
+    def new_size(self, line):
+        m = re.search(r"\] world (\d+) resumed", line)
+        return int(m.group(1)) if m else None
+
+    def is_step(self, line):
+        return re.search(r"\] step \d+ world", line) is not None
 
 
 class Torchrun:
@@ -207,6 +239,7 @@ def trial(a, kind, event, n):
             "restart": lambda: Ductile(a, "restart", d, n),
             "inplace0": lambda: Ductile(a, "inplace", d, n, 0),
             "restart0": lambda: Ductile(a, "restart", d, n, 0),
+            "script": lambda: Script(a, d, n),
             "torch": lambda: Torchrun(a, False, d, n),
             "torch-fast": lambda: Torchrun(a, True, d, n)}[kind]()
     procs = []
@@ -230,6 +263,14 @@ def trial(a, kind, event, n):
         elif event == "scale_down":
             size = 3
             victim.term()
+        elif event == "worker_stop":
+            size = 4
+            for pid in sys_.worker(victim)[:1]:
+                os.kill(pid, signal.SIGSTOP)
+        elif event == "pod_restart":
+            size = 4
+            victim.kill_tree()
+            procs.append(sys_.start(victim.name, lines))
         else:
             size = 4
             procs.append(sys_.start("n3", lines))
@@ -249,9 +290,11 @@ def main():
     p.add_argument("--python", required=True)
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--events", default="worker_kill,agent_kill,scale_down,scale_up")
-    p.add_argument("--kinds", default="inplace,restart,inplace0,restart0,torch,torch-fast",
-                   help="which runs (inplace0/restart0: ductile with --max-restarts 0)")
+    p.add_argument("--events", default="worker_kill,agent_kill,scale_down,scale_up,worker_stop,"
+                   "pod_restart")
+    p.add_argument("--kinds", default="inplace,restart,inplace0,restart0,script,torch,torch-fast",
+                   help="which runs (inplace0/restart0: ductile with --max-restarts 0; script: "
+                   "ductile with default flags running the PyTorch script)")
     a = p.parse_args()
     a.here = os.path.dirname(os.path.abspath(__file__))
     kinds = a.kinds.split(",")
@@ -278,7 +321,7 @@ def main():
         if not x:
             return "       -"
         return "%7.1fx" % (y / x) if y else "  >%4.0fx" % (120 / x)
-    ours = [k for k in kinds if not k.startswith("torch")]
+    ours = [k for k in kinds if not k.startswith("torch")]  # script: ductile too
     base = "torch-fast" if "torch-fast" in kinds else ("torch" if "torch" in kinds else None)
     print()
     print("time from the event to the first step at the new size, seconds (median of %d), "
@@ -295,6 +338,7 @@ def main():
         print(row)
     print("torch: torchrun c10d defaults; torch-fast (tf): last_call_timeout=1, "
           "keep_alive_interval=1, keep_alive_max_attempt=3, --monitor-interval 0.1; "
+          "script: ductile-agent, default flags, the same PyTorch script as torchrun; "
           "ratios: torch time / ours; >120: no step at the new size within 120 s")
     return 0
 
