@@ -292,26 +292,58 @@ static int read_line(int fd, char *line, size_t len)
     return 0;
 }
 
-/* What the trainer says: step, failed, peer_lost (one line each). */
+/* The next message from the trainer, whatever it is. */
+static int read_line_msg(fixture *f, ctl_msg *m)
+{
+    char line[CTL_MAX_LINE + 2];
+    return read_line(f->agent, line, sizeof(line)) == 0 && ctl_parse(line, m) == 0 ? 0 : -1;
+}
+
+/* The next message from the trainer that is not a `phase` line (those come
+ * from its control thread at any time); the last phase seen goes to
+ * *phase (may be NULL). 0, or -1 when none came. */
+static int read_msg(fixture *f, ctl_msg *m, char *phase, size_t len)
+{
+    char line[CTL_MAX_LINE + 2];
+    for (;;) {
+        if (read_line(f->agent, line, sizeof(line)) != 0 || ctl_parse(line, m) != 0) return -1;
+        if (m->type != CTL_PHASE) return 0;
+        if (phase) snprintf(phase, len, "%s", m->phase);
+    }
+}
+
+/* What the trainer says: step (from its control thread, with the phase,
+ * which it repeats every CTL_HEARTBEAT_MS), failed, peer_lost. */
 static void test_reports(void)
 {
     fixture f;
     if (fx_open(&f, 4) != 0) return;
-    char line[CTL_MAX_LINE + 2];
     ctl_msg m;
+    char phase[CTL_PHASE_MAX] = "";
+    elastic_set_phase(f.e, ELASTIC_PHASE_EVAL); /* before the first step: not said */
     elastic_report_step(f.e, 17);
+    CHECK(read_msg(&f, &m, phase, sizeof(phase)) == 0 && m.type == CTL_STEP && m.step == 17,
+          "step line");
+    /* The phase a step leaves the loop in is compute: said with it, or right after. */
+    ctl_msg p = {0};
+    while (strcmp(phase, "compute") != 0 && read_line_msg(&f, &p) == 0 && p.type == CTL_PHASE)
+        snprintf(phase, sizeof(phase), "%s", p.phase);
+    CHECK(strcmp(phase, "compute") == 0, "phase after a step: '%s'", phase);
+    elastic_set_phase(f.e, ELASTIC_PHASE_COMM);
+    while (read_line_msg(&f, &p) == 0 && p.type == CTL_PHASE && strcmp(p.phase, "comm") != 0)
+        ;
+    CHECK(p.type == CTL_PHASE && strcmp(p.phase, "comm") == 0, "phase comm said");
+    /* Unchanged, it is said again within a heartbeat or two. */
+    CHECK(read_line_msg(&f, &p) == 0 && p.type == CTL_PHASE && strcmp(p.phase, "comm") == 0,
+          "heartbeat");
     elastic_report_failed(f.e, "rank 1: out of\nmemory");
     elastic_report_peer_lost(f.e, 4, "a step failed: left neighbour (rank 0) closed\r\n");
-    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && ctl_parse(line, &m) == 0 &&
-              m.type == CTL_STEP && m.step == 17,
-          "step line: %s", line);
-    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && ctl_parse(line, &m) == 0 &&
-              m.type == CTL_FAILED && strcmp(m.reason, "rank 1: out of memory") == 0,
-          "failed line: %s", line);
-    CHECK(read_line(f.agent, line, sizeof(line)) == 0 && ctl_parse(line, &m) == 0 &&
-              m.type == CTL_PEER_LOST && m.round == 4 &&
+    CHECK(read_msg(&f, &m, NULL, 0) == 0 && m.type == CTL_FAILED &&
+              strcmp(m.reason, "rank 1: out of memory") == 0,
+          "failed line");
+    CHECK(read_msg(&f, &m, NULL, 0) == 0 && m.type == CTL_PEER_LOST && m.round == 4 &&
               strncmp(m.reason, "a step failed: left neighbour (rank 0) closed", 45) == 0,
-          "peer_lost line: %s", line);
+          "peer_lost line");
     say(&f, "stop\n");
     elastic_round rd;
     CHECK(elastic_wait_round(f.e, NULL, DEADLINE_MS, &rd) == ELASTIC_ERR_STOP, "stop");
