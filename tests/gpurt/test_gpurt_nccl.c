@@ -51,7 +51,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "check.h"
+#include "th_scenario.h"
 #include "rt.h"
 
 #define MAX_RANKS 4
@@ -1284,7 +1284,7 @@ int main(int argc, char **argv)
     setenv("DUCTILE_GPURT_DEVICES", "1", 0);
     unsetenv("DUCTILE_FAILPOINTS"); /* each case's ranks set their own */
     unsetenv("DUCTILE_GPURT_PEER_ERROR");
-    static const check_case cases[] = {
+    static const th_case cases[] = {
         {"allreduce2", test_allreduce2},
         {"allreduce3", test_allreduce3},
         {"collectives", test_collectives},
@@ -1300,6 +1300,6 @@ int main(int argc, char **argv)
         {"duplicate_rank", test_duplicate_rank},
         {"wrong_id", test_wrong_id},
     };
-    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_gpurt_nccl");
 }
