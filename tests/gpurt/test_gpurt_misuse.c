@@ -32,6 +32,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "th_proc.h"
 #include "th_scenario.h"
 #include "kernels.h"
 
@@ -81,8 +82,7 @@ static int run_child(void (*fn)(void), child *c)
     }
     c->err[len] = '\0';
     close(fd[0]);
-    while (waitpid(pid, &c->status, 0) < 0 && errno == EINTR) {
-    }
+    if (th_wait(&pid, CHILD_DEADLINE_S * 1000, &c->status) != 1) th_kill(&pid);
     return 0;
 }
 

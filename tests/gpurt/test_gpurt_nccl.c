@@ -51,6 +51,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "th_proc.h"
 #include "th_scenario.h"
 #include "rt.h"
 
@@ -292,12 +293,8 @@ static void world_drain_stderr(world *w)
 static void world_finish(world *w)
 {
     world_drain_stderr(w);
-    int64_t end = mono_now_ms() + (CHILD_DEADLINE_S + 10) * 1000LL;
+    th_wait_all(w->pid, w->n, (CHILD_DEADLINE_S + 10) * 1000, w->status, NULL);
     for (int r = 0; r < w->n; r++) {
-        while (w->pid[r] > 0 && waitpid(w->pid[r], &w->status[r], WNOHANG) == 0) {
-            if (mono_now_ms() > end) kill(w->pid[r], SIGKILL);
-            nap();
-        }
         close_fd(&w->note[r]);
         close_fd(&w->go[r]);
         close_fd(&w->errfd[r]);
