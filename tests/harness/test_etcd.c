@@ -9,11 +9,9 @@
 
 #include <curl/curl.h>
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <unistd.h>
 
 static size_t discard(void *p, size_t s, size_t n, void *u)
@@ -176,34 +174,56 @@ void test_cluster_endpoints(const test_cluster *c, char *buf, size_t len)
         used += (size_t)snprintf(buf + used, len - used, "%s%s", i ? "," : "", c->client_url[i]);
 }
 
-void test_cluster_exec(const test_cluster *c, int i)
+/* Member i's command line, and the strings it points into. */
+typedef struct member_cmd {
+    char name[16], data[300], log[300], cluster[TEST_CLUSTER_MAX * 80];
+    char *argv[32];
+} member_cmd;
+
+static void member_cmd_init(member_cmd *m, const test_cluster *c, int i)
 {
-    char name[16], data[300], log[300], cluster[TEST_CLUSTER_MAX * 80] = "";
-    snprintf(name, sizeof(name), "m%d", i);
-    snprintf(data, sizeof(data), "%s/%s", c->dir, name);
-    snprintf(log, sizeof(log), "%s/%s.log", c->dir, name);
+    snprintf(m->name, sizeof(m->name), "m%d", i);
+    snprintf(m->data, sizeof(m->data), "%s/%s", c->dir, m->name);
+    snprintf(m->log, sizeof(m->log), "%s/%s.log", c->dir, m->name);
+    m->cluster[0] = 0;
     size_t used = 0;
     for (int k = 0; k < c->n; k++)
-        used += (size_t)snprintf(cluster + used, sizeof(cluster) - used, "%sm%d=%s", k ? "," : "",
-                                 k, c->peer_url[k]);
-    if (th_redirect(log) != 0) _exit(127);
-    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
-           c->client_url[i], "--advertise-client-urls", c->client_url[i], "--listen-peer-urls",
-           c->peer_url[i], "--initial-advertise-peer-urls", c->peer_url[i], "--initial-cluster",
-           cluster, "--initial-cluster-state", "new", "--initial-cluster-token", c->dir,
-           "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
-           "--log-level", "error", (char *)NULL);
+        used += (size_t)snprintf(m->cluster + used, sizeof(m->cluster) - used, "%sm%d=%s",
+                                 k ? "," : "", k, c->peer_url[k]);
+    /* one flag and its value a line */
+    /* clang-format off */
+    char *argv[] = {"etcd", "--name", m->name,
+                    "--data-dir", m->data,
+                    "--listen-client-urls", (char *)c->client_url[i],
+                    "--advertise-client-urls", (char *)c->client_url[i],
+                    "--listen-peer-urls", (char *)c->peer_url[i],
+                    "--initial-advertise-peer-urls", (char *)c->peer_url[i],
+                    "--initial-cluster", m->cluster,
+                    "--initial-cluster-state", "new",
+                    "--initial-cluster-token", (char *)c->dir,
+                    "--heartbeat-interval", "50", "--election-timeout", "500",
+                    "--logger", "zap", "--log-level", "error", NULL};
+    /* clang-format on */
+    _Static_assert(sizeof(argv) <= sizeof(m->argv), "member_cmd.argv is too small");
+    memcpy(m->argv, argv, sizeof(argv));
+}
+
+void test_cluster_exec(const test_cluster *c, int i)
+{
+    member_cmd m;
+    member_cmd_init(&m, c, i);
+    if (th_redirect(m.log) != 0) _exit(127);
+    execvp(m.argv[0], m.argv);
     _exit(127);
 }
 
 int test_cluster_start(test_cluster *c, int i)
 {
-    pid_t pid = fork();
+    member_cmd m;
+    member_cmd_init(&m, c, i);
+    th_spawn_opts o = {.log = m.log, .die_with_parent = 1};
+    pid_t pid = th_spawn(m.argv, &o);
     if (pid < 0) return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
-        test_cluster_exec(c, i);
-    }
     c->pids[i] = pid;
     return 0;
 }
