@@ -10,7 +10,6 @@ One intra-op thread per rank, like the ring (one thread per rank).
 """
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -18,11 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../tests/harness"))
+from testlib import free_port  # noqa: E402
 
 
 def run(rank, world, port, lo, hi):

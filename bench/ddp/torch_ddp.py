@@ -15,8 +15,8 @@ import argparse
 import gzip
 import json
 import os
-import socket
 import struct
+import sys
 import time
 
 import numpy as np
@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../tests/harness"))
+from testlib import free_port  # noqa: E402
 
 WARMUP = 10
 
@@ -116,9 +119,7 @@ def main():
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, args, port, out)) for r in range(args.world)]

@@ -23,7 +23,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import tempfile
 import threading
 import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../tests/harness"))
-from testlib import free_port  # noqa: E402
+from testlib import Etcd, Fail, children, free_port, kill_tree, tree  # noqa: E402
 
 
 class Lines:
@@ -61,26 +60,13 @@ class Proc:
         threading.Thread(target=lines.pump, args=(name, self.p.stdout), daemon=True).start()
 
     def children(self):
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.p.pid)],
-                             capture_output=True, text=True).stdout
-        return [int(x) for x in out.split()]
+        return children(self.p.pid)
 
     def tree(self):
-        pids, todo = [], [self.p.pid]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)],
-                                 capture_output=True, text=True).stdout
-            todo += [int(x) for x in out.split()]
-        return pids
+        return tree(self.p.pid)
 
     def kill_tree(self):
-        for pid in self.tree():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(self.p.pid, depth=True)
         self.p.wait()
 
     def term(self):
@@ -88,40 +74,19 @@ class Proc:
             self.p.send_signal(signal.SIGTERM)
 
 
-class Etcd:
-    def __init__(self, d):
-        self.port, peer = free_port(), free_port()
-        url, purl = "http://127.0.0.1:%d" % self.port, "http://127.0.0.1:%d" % peer
-        self.p = subprocess.Popen(
-            ["etcd", "--name", "b", "--data-dir", os.path.join(d, "etcd"),
-             "--listen-client-urls", url, "--advertise-client-urls", url,
-             "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
-             "--initial-cluster", "b=" + purl, "--log-level", "error", "--logger", "zap"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = url
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("bench/recovery: etcd did not start")
-
-    def stop(self):
-        self.p.kill()
-        self.p.wait()
-
-
 class Ductile:
     def __init__(self, a, mode, d, trial, max_restarts=100):
         self.a, self.mode, self.d = a, mode, d
         self.max_restarts = max_restarts
-        self.etcd = Etcd(d)
+        self.etcd = Etcd(d, name="b", log_level="error")
+        try:
+            self.etcd.start()
+        except Fail:
+            raise SystemExit("bench/recovery: etcd did not start")
         self.job = "rec-%s-%d" % (mode, trial)
 
     def agent_cmd(self, name):
-        return [self.a.agent, "--nnodes", "2:5", "--rdzv-endpoint", self.etcd.url,
+        return [self.a.agent, "--nnodes", "2:5", "--rdzv-endpoint", self.etcd.endpoint,
                 "--rdzv-id", self.job, "--node-id", name, "--node-addr", "127.0.0.1",
                 "--hang-timeout", "10"]
 
@@ -145,7 +110,7 @@ class Ductile:
         return re.search(r"ductile-train: step \d+ ", line) is not None
 
     def stop(self):
-        self.etcd.stop()
+        self.etcd.kill()
 
 
 class Script(Ductile):

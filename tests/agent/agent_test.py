@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,8 @@ import time
 import urllib.error
 import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../harness"))
-from testlib import Fail, check, free_port, wait_for  # noqa: E402
+from testlib import SKIP, Fail, Skip, check, free_port, http_get, pid_alive  # noqa: E402
+from testlib import run_case, tcp_open, wait_for  # noqa: E402
 
 ARGS = None
 ETCD = os.environ.get("DUCTILE_TEST_ETCD", "")
@@ -150,15 +150,6 @@ class Job:
             for a in self.agents:
                 sys.stderr.write("---- agent %s log ----\n%s" % (a.node, a.log()))
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def pid_alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def workers_of(job, node_agent):
@@ -870,14 +861,6 @@ def case_taken_over_comes_back(job):
     finish_with(job, (a, b2))
 
 
-def http_get(port, path):
-    try:
-        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def case_http_and_status(job):
     job.flags += FAST + ["--nnodes", "2", "--max-restarts", "2"]
     port = free_port()
@@ -926,18 +909,6 @@ def case_http_and_status(job):
     check(r.returncode == 0 and "node-a" in r.stdout, "status text")
 
 
-def tcp_open(port):
-    s = socket.socket()
-    try:
-        s.settimeout(0.5)
-        s.connect(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def case_standalone(job):
     tmp = tempfile.mkdtemp(prefix="agent-standalone-")
     try:
@@ -963,9 +934,6 @@ def case_standalone(job):
                 p.wait()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-SKIP = 77
 
 
 def torch_python():
@@ -1026,10 +994,6 @@ def case_torch_ddp(job):
     check(int(step) == total and world == "1", "finished all %d steps at world size 1" % total)
 
 
-class Skip(Exception):
-    pass
-
-
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
@@ -1048,19 +1012,11 @@ def main():
     job = Job("t-" + ARGS.case.replace("_", "-") + "-%d" % os.getpid(), [])
     ok = False
     try:
-        fn(job)
-        ok = True
-    except Fail as e:
-        print("FAIL %s: %s" % (ARGS.case, e), file=sys.stderr)
-    except Skip as e:
-        print("SKIP %s: %s" % (ARGS.case, e))
-        ok = None
+        ok = run_case(ARGS.case, fn, job)
     finally:
         job.cleanup(keep=ok is False or bool(os.environ.get("AGENT_TEST_KEEP")))
     if ok is None:
         return SKIP
-    if ok:
-        print("ok %s" % ARGS.case)
     return 0 if ok else 1
 
 

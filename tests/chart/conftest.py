@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import pathlib
+import sys
 
 import helm_python as helm
 import pytest
@@ -21,6 +22,8 @@ CHART_DIR = SOURCE / "charts" / "ductile"
 CI_VALUES = sorted((CHART_DIR / "ci").glob("*.yaml"))
 EXAMPLE_JOBS = sorted((SOURCE / "examples" / "jobs").glob("*.yaml"))
 RELEASE = "demo"
+# The tests' shared helpers (tests/harness/testlib.py), for any chart test.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "harness"))
 NAMESPACE = "ml"
 
 # Each list must be non-empty: a glob that finds nothing would make the

@@ -25,7 +25,6 @@ a real etcd on 127.0.0.1 (this test runs under with-etcd).
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import time
@@ -33,6 +32,7 @@ import time
 import pytest
 
 from jobsim import IndexedJob, exit_code_of, pod_failure_action
+from testlib import free_port, pid_alive
 
 AGENT = os.environ.get("DUCTILE_AGENT_BIN")
 WORKER = os.environ.get("DUCTILE_TEST_WORKER")
@@ -48,12 +48,6 @@ INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 
 # Correctness bounds, not speed: each is far above what the step takes.
 DEADLINE = 90
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None):
@@ -205,19 +199,11 @@ def workers(workdir):
     return out
 
 
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def running_round(workdir, pods, newer_than=0):
     """The newest round, after newer_than, in which exactly the live
     workers of `pods` run, one per pod, with world size len(pods); or None."""
     want = {p.proc.pid: p for p in pods}
-    live = [w for w in workers(workdir) if alive(int(w["TEST_PID"]))]
+    live = [w for w in workers(workdir) if pid_alive(int(w["TEST_PID"]))]
     for rnd in sorted({int(w["DUCTILE_ROUND"]) for w in live}, reverse=True):
         ws = [w for w in live if int(w["DUCTILE_ROUND"]) == rnd]
         if rnd > newer_than and sorted(int(w["TEST_PPID"]) for w in ws) == sorted(want) and \

@@ -7,29 +7,18 @@ case starts from a valid job, breaks exactly one thing, and checks both
 that the render fails and that the message points at what was broken.
 """
 
-import copy
 
 import helm_python as helm
 import jsonschema
 import pytest
 
-from conftest import EXAMPLE_JOBS, load_values
+from conftest import EXAMPLE_JOBS, load_values, with_values
 
 GOOD = {
     "job": {"name": "good", "minNodes": 1, "maxNodes": 4,
             "command": ["ductile-train", "--model", "mlp"]},
     "workers": {"replicas": 2},
 }
-
-
-def merged(base, patch):
-    out = copy.deepcopy(base)
-    for k, v in patch.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merged(out[k], v)
-        else:
-            out[k] = v
-    return out
 
 
 # (id, patch onto GOOD, fragments the error must contain)
@@ -164,7 +153,7 @@ def test_shipped_values_valid_for_draft7(chart, path):
 @pytest.mark.parametrize("patch,fragments", [r[1:] for r in SCHEMA_RULES],
                          ids=[r[0] for r in SCHEMA_RULES])
 def test_schema_rejects(chart, patch, fragments):
-    values = merged(GOOD, patch)
+    values = with_values(GOOD, patch)
     with pytest.raises(helm.HelmValuesError) as err:
         chart.render(values, name="demo")
     message = str(err.value)
@@ -182,7 +171,7 @@ def test_schema_rejects(chart, patch, fragments):
 @pytest.mark.parametrize("patch,fragments", [r[1:] for r in TEMPLATE_RULES],
                          ids=[r[0] for r in TEMPLATE_RULES])
 def test_cross_field_rule_rejects(chart, patch, fragments):
-    values = merged(GOOD, patch)
+    values = with_values(GOOD, patch)
     chart.validate_schema(values)  # each value is fine on its own...
     with pytest.raises(helm.HelmRenderError) as err:  # ...together they are not
         chart.render(values, name="demo")
@@ -192,7 +181,7 @@ def test_cross_field_rule_rejects(chart, patch, fragments):
 
 
 def test_release_name_must_be_a_job_id_without_job_name(chart):
-    values = merged(GOOD, {})
+    values = with_values(GOOD, {})
     del values["job"]["name"]
     with pytest.raises(helm.HelmRenderError, match="set job.name"):
         chart.render(values, name="my.release")
@@ -204,7 +193,7 @@ def test_release_name_must_be_a_job_id_without_job_name(chart):
                          ids=["1-1-1", "min-equal", "max-equal", "fixed-2"])
 def test_scale_range_boundaries_accepted(chart, boundary):
     lo, hi, n = boundary
-    chart.render(merged(GOOD, {"job": {"minNodes": lo, "maxNodes": hi},
+    chart.render(with_values(GOOD, {"job": {"minNodes": lo, "maxNodes": hi},
                                "workers": {"replicas": n}}), name="demo")
 
 
@@ -218,14 +207,14 @@ def test_scale_range_boundaries_accepted(chart, boundary):
         "job-pdb-off"])
 def test_what_only_a_statefulset_can_do_is_fine_there(chart, values):
     # The rules refused for a Job stay allowed where they work.
-    chart.render(merged(GOOD, values), name="demo")
+    chart.render(with_values(GOOD, values), name="demo")
 
 
 def test_zero_replicas_accepted_when_min_allows_it_not_otherwise(chart):
     # Scaling to zero pauses a job only through kubectl; the chart insists
     # on a startable size.
     with pytest.raises(helm.HelmRenderError, match="at least job.minNodes"):
-        chart.render(merged(GOOD, {"workers": {"replicas": 0}}), name="demo")
+        chart.render(with_values(GOOD, {"workers": {"replicas": 0}}), name="demo")
 
 
 @pytest.mark.parametrize("path", EXAMPLE_JOBS, ids=[p.name for p in EXAMPLE_JOBS])

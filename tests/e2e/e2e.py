@@ -44,13 +44,12 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../harness"))
-from testlib import Fail, check, free_port  # noqa: E402
+from testlib import Etcd, Fail, Netns, Skip, check, kill_tree, children  # noqa: E402
 from testlib import wait_for as _wait_for  # noqa: E402
 
 
@@ -76,61 +75,6 @@ def log(*a):
 T0 = time.monotonic()
 
 
-class Skip(Exception):
-    pass
-
-
-class Etcd:
-    """A private etcd; host is where it listens (127.0.0.1, or also a veth address)."""
-
-    def __init__(self, workdir, hosts=("127.0.0.1",), netns=None):
-        self.dir = os.path.join(workdir, "etcd")
-        self.hosts = hosts
-        self.port = free_port()
-        self.peer = free_port()
-        self.proc = None
-        self.logf = os.path.join(workdir, "etcd.log")
-
-    @property
-    def endpoint(self):
-        return "http://127.0.0.1:%d" % self.port
-
-    def start(self):
-        clients = ",".join("http://%s:%d" % (h, self.port) for h in self.hosts)
-        peer = "http://127.0.0.1:%d" % self.peer
-        out = open(self.logf, "a")
-        self.proc = subprocess.Popen(
-            ["etcd", "--name", "e", "--data-dir", self.dir, "--listen-client-urls", clients,
-             "--advertise-client-urls", clients, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", "e=" + peer,
-             "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn"],
-            stdout=out, stderr=out)
-        out.close()
-
-        def up():
-            try:
-                s = socket.create_connection(("127.0.0.1", self.port), 0.2)
-                s.close()
-                return True
-            except OSError:
-                return False
-        wait_for(up, 20, "etcd to listen")
-
-    def kill(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 class Agent:
     def __init__(self, job, name, cmd, logdir, env=None):
         self.name = name
@@ -150,12 +94,7 @@ class Agent:
             return ""
 
     def workers(self):
-        try:
-            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
-                                 capture_output=True, text=True).stdout
-        except OSError:
-            return []
-        return [int(x) for x in out.split()]
+        return children(self.proc.pid)
 
     def signal(self, sig):
         if self.proc.poll() is None:
@@ -163,13 +102,8 @@ class Agent:
 
     def kill_tree(self):
         """SIGKILL the agent and its workers at once: a pod crash."""
-        pids = self.workers()
-        self.signal(signal.SIGKILL)
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
         self.killed = True
         self.proc.wait()
 
@@ -622,22 +556,9 @@ def sc_netns(env, mode, ref):
     ns, vh, vn = "e2e%s" % suffix, "e2eh%s" % suffix, "e2en%s" % suffix
     net = "10.213.%d" % (os.getpid() % 200 + 20)
     host_ip, ns_ip = net + ".1", net + ".2"
-
-    def ip(*a, check_=True):
-        r = subprocess.run(["ip"] + list(a), capture_output=True, text=True)
-        if check_ and r.returncode != 0:
-            raise Skip("cannot set up a network namespace (ip %s): %s" %
-                       (" ".join(a), r.stderr.strip()))
-        return r
-    ip("netns", "add", ns)
+    link = Netns(ns, vh, vn, host_ip, ns_ip)
     try:
-        ip("link", "add", vh, "type", "veth", "peer", "name", vn)
-        ip("link", "set", vn, "netns", ns)
-        ip("addr", "add", host_ip + "/30", "dev", vh)
-        ip("link", "set", vh, "up")
-        ip("-n", ns, "addr", "add", ns_ip + "/30", "dev", vn)
-        ip("-n", ns, "link", "set", vn, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
+        link.setup()
         etcd = Etcd(env.workdir, hosts=("127.0.0.1", host_ip))
         etcd.start()
         job = env.job("netns-" + mode, mode, etcd=etcd)
@@ -647,7 +568,7 @@ def sc_netns(env, mode, ref):
             # The cut node joins first: rank 0 of round 1, the one that saves.
             job.extra = ["--host", ns_ip]
             cut = job.start(name="cut", endpoint="http://%s:%d" % (host_ip, etcd.port),
-                            prefix=["ip", "netns", "exec", ns])
+                            prefix=link.prefix())
             time.sleep(0.5)
             job.extra = ["--host", host_ip]
             for _ in range(2):
@@ -657,11 +578,11 @@ def sc_netns(env, mode, ref):
                   "the node to cut off is not the one saving checkpoints")
             log("link of node 'cut' down")
             mark = len(cut.text())
-            ip("link", "set", vh, "down")
+            link.link(up=False)
             job.wait_round(job.agents["n2"], 2, timeout=60)
             time.sleep(4)
             log("link of node 'cut' up again")
-            ip("link", "set", vh, "up")
+            link.link(up=True)
             verify(job, ref, expect_fail=("cut",))
             after = cut.text()[mark:]
             check("ductile-train: checkpoint" not in after,
@@ -673,8 +594,7 @@ def sc_netns(env, mode, ref):
             job.cleanup()
             etcd.stop()
     finally:
-        ip("link", "del", vh, check_=False)
-        ip("netns", "del", ns, check_=False)
+        link.close()
 
 
 def sc_chaos(env, mode, ref):

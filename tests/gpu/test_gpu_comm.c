@@ -45,6 +45,7 @@
 #include "rt.h"
 #include "test_comm_launch.h"
 #include "test_etcd.h"
+#include "th_scenario.h"
 
 #define BIG_FLOATS ((size_t)5 << 20) /* 20 MiB: several staging chunks */
 
@@ -133,7 +134,7 @@ static int peer_rank(tc_group *g, int rank, void *arg)
         int64_t deadline = mono_now_ms() + 20000;
         for (int r = 0; r < last; r++)
             while (!g->shared->progress[r] && mono_now_ms() < deadline)
-                tc_sleep_ms(10);
+                th_sleep_ms(10);
         _exit(0);
     }
     g->shared->progress[rank] = 1;
@@ -166,7 +167,7 @@ static int cancel_rank(tc_group *g, int rank, void *arg)
     (void)arg;
     comm *c = NULL;
     if (rank == g->world - 1) {
-        tc_sleep_ms(3000); /* never joins, never fails: only the round's end tells */
+        th_sleep_ms(3000); /* never joins, never fails: only the round's end tells */
         return 0;
     }
     cancel_at = mono_now_ms() + 500;
@@ -186,8 +187,8 @@ static int deadlines_rank(tc_group *g, int rank, void *arg)
 {
     (void)arg;
     comm *c = NULL;
-    if (rank == 0) tc_sleep_ms(5000); /* publishes the id late */
-    if (rank == 2) tc_sleep_ms(9500); /* past rank 1's id wait plus what is left */
+    if (rank == 0) th_sleep_ms(5000); /* publishes the id late */
+    if (rank == 2) th_sleep_ms(9500); /* past rank 1's id wait plus what is left */
     comm_err err = connect_with(g, rank, 8000, NULL, &c);
     CHECK_OR_RETURN(err == COMM_OK, "rank %d: init gave %s", rank, comm_strerror(err));
     CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
@@ -237,29 +238,29 @@ int main(int argc, char **argv)
         return 2;
     }
     if (strcmp(argv[1], "staging_error") == 0) return staging_error();
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        if (strcmp(argv[1], cases[i].name) != 0) continue;
-        if (strcmp(argv[1], "peer_remote") == 0) setenv("DUCTILE_GPURT_PEER_ERROR", "remote", 1);
-        test_etcd e;
-        const char *etcd = test_etcd_shared_or_start(&e);
-        CHECK_OR_EXIT(etcd, "no etcd");
-        tc_group g;
-        char job[32]; /* job ids take no '_' */
-        snprintf(job, sizeof(job), "%s", cases[i].name);
-        for (char *p = job; *p; p++)
-            if (*p == '_') *p = '-';
-        CHECK_OR_EXIT(tc_group_open(&g, cases[i].world, etcd, job) == 0);
-        g.nccl = 1;
-        g.timeout_ms = 20000;
-        int mode = strcmp(argv[1], "peer_free_first") == 0 ? PEER_FREE_FIRST
-                   : strcmp(argv[1], "peer_late") == 0     ? PEER_LATE
-                                                           : PEER_PLAIN;
-        void *arg = (void *)(intptr_t)mode;
-        CHECK(tc_run(&g, cases[i].fn, arg, 60) == 0, "%s: a rank failed", cases[i].name);
-        tc_group_free(&g);
-        test_etcd_stop(&e);
-        return check_finish(cases[i].name);
+    const test_case *tc = th_find(cases, TH_COUNT(cases), sizeof(cases[0]), argv[1]);
+    if (!tc) {
+        fprintf(stderr, "test_gpu_comm: unknown case %s\n", argv[1]);
+        return 2;
     }
-    fprintf(stderr, "test_gpu_comm: unknown case %s\n", argv[1]);
-    return 2;
+    if (strcmp(argv[1], "peer_remote") == 0) setenv("DUCTILE_GPURT_PEER_ERROR", "remote", 1);
+    test_etcd e;
+    const char *etcd = test_etcd_shared_or_start(&e);
+    CHECK_OR_EXIT(etcd, "no etcd");
+    tc_group g;
+    char job[32]; /* job ids take no '_' */
+    snprintf(job, sizeof(job), "%s", tc->name);
+    for (char *p = job; *p; p++)
+        if (*p == '_') *p = '-';
+    CHECK_OR_EXIT(tc_group_open(&g, tc->world, etcd, job) == 0);
+    g.nccl = 1;
+    g.timeout_ms = 20000;
+    int mode = strcmp(argv[1], "peer_free_first") == 0 ? PEER_FREE_FIRST
+               : strcmp(argv[1], "peer_late") == 0     ? PEER_LATE
+                                                       : PEER_PLAIN;
+    void *arg = (void *)(intptr_t)mode;
+    CHECK(tc_run(&g, tc->fn, arg, 60) == 0, "%s: a rank failed", tc->name);
+    tc_group_free(&g);
+    test_etcd_stop(&e);
+    return check_finish(tc->name);
 }

@@ -32,7 +32,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "check.h"
+#include "th_proc.h"
+#include "th_scenario.h"
 #include "kernels.h"
 
 #define N 64
@@ -81,8 +82,7 @@ static int run_child(void (*fn)(void), child *c)
     }
     c->err[len] = '\0';
     close(fd[0]);
-    while (waitpid(pid, &c->status, 0) < 0 && errno == EINTR) {
-    }
+    if (th_wait(&pid, CHILD_DEADLINE_S * 1000, &c->status) != 1) th_kill(&pid);
     return 0;
 }
 
@@ -381,12 +381,12 @@ int main(int argc, char **argv)
 {
     setenv("DUCTILE_GPURT_DEVICES", "1", 0); /* cuBLAS needs a device; ctest sets it too */
     unsetenv("DUCTILE_FAILPOINTS");
-    static const check_case cases[] = {
+    static const th_case cases[] = {
         {"host_pointer", test_host_pointer}, {"pinned_gemm", test_pinned_gemm},
         {"past_end", test_past_end},         {"race", test_race},
         {"free_queued", test_free_queued},   {"stale", test_stale},
         {"gemm_invalid", test_gemm_invalid},
     };
-    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_gpurt_misuse");
 }

@@ -51,7 +51,8 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "check.h"
+#include "th_proc.h"
+#include "th_scenario.h"
 #include "rt.h"
 
 #define MAX_RANKS 4
@@ -292,12 +293,8 @@ static void world_drain_stderr(world *w)
 static void world_finish(world *w)
 {
     world_drain_stderr(w);
-    int64_t end = mono_now_ms() + (CHILD_DEADLINE_S + 10) * 1000LL;
+    th_wait_all(w->pid, w->n, (CHILD_DEADLINE_S + 10) * 1000, w->status, NULL);
     for (int r = 0; r < w->n; r++) {
-        while (w->pid[r] > 0 && waitpid(w->pid[r], &w->status[r], WNOHANG) == 0) {
-            if (mono_now_ms() > end) kill(w->pid[r], SIGKILL);
-            nap();
-        }
         close_fd(&w->note[r]);
         close_fd(&w->go[r]);
         close_fd(&w->errfd[r]);
@@ -1284,7 +1281,7 @@ int main(int argc, char **argv)
     setenv("DUCTILE_GPURT_DEVICES", "1", 0);
     unsetenv("DUCTILE_FAILPOINTS"); /* each case's ranks set their own */
     unsetenv("DUCTILE_GPURT_PEER_ERROR");
-    static const check_case cases[] = {
+    static const th_case cases[] = {
         {"allreduce2", test_allreduce2},
         {"allreduce3", test_allreduce3},
         {"collectives", test_collectives},
@@ -1300,6 +1297,6 @@ int main(int argc, char **argv)
         {"duplicate_rank", test_duplicate_rank},
         {"wrong_id", test_wrong_id},
     };
-    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_gpurt_nccl");
 }

@@ -1,4 +1,4 @@
-/* check.h: the checks every C test makes, and a runner for a table of cases.
+/* check.h: the checks every C test makes (a table of cases: th_scenario.h).
  *
  * A failed check prints "FAIL file:line: condition: message" to stderr; the
  * three forms differ only in what happens next:
@@ -81,33 +81,6 @@ static inline int check_finish(const char *name)
     else
         printf("%s: all checks passed\n", name);
     return check_failures() != 0;
-}
-
-/* ---- a table of named cases, run from the command line ---- */
-
-typedef struct check_case {
-    const char *name;
-    void (*fn)(void);
-} check_case;
-
-/* Runs the cases named in argv[first..argc-1], or all of them when none is
- * named, each reported on stderr as "ok   NAME (T s)" or "FAIL NAME (T s)"
- * by whether it added to the failure count; `note` (may be NULL) is said
- * before the time, as "(NOTE, T s)". */
-static inline void check_run_cases(const check_case *cases, size_t n, int argc, char **argv,
-                                   int first, const char *note)
-{
-    for (size_t i = 0; i < n; i++) {
-        int run = first >= argc;
-        for (int a = first; a < argc; a++)
-            if (strcmp(argv[a], cases[i].name) == 0) run = 1;
-        if (!run) continue;
-        int before = check_failures();
-        int64_t t0 = mono_now_ms();
-        cases[i].fn();
-        fprintf(stderr, "%s %s (%s%s%.1f s)\n", check_failures() == before ? "ok  " : "FAIL",
-                cases[i].name, note ? note : "", note ? ", " : "", (mono_now_ms() - t0) / 1000.0);
-    }
 }
 
 #endif

@@ -7,44 +7,12 @@
 
 #include "ductile/clock.h"
 
-#include <arpa/inet.h>
 #include <curl/curl.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-int test_sh(const char *fmt, ...)
-{
-    char cmd[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    return system(cmd);
-}
-
-int test_free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof(a);
-    int port = -1;
-    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    close(fd);
-    return port;
-}
 
 static size_t discard(void *p, size_t s, size_t n, void *u)
 {
@@ -84,34 +52,33 @@ static int spawn(test_etcd *e)
     snprintf(client, sizeof(client), "http://127.0.0.1:%d", e->client_port);
     snprintf(peer, sizeof(peer), "http://127.0.0.1:%d", e->peer_port);
     snprintf(cluster, sizeof(cluster), "t=%s", peer);
-    pid_t pid = fork();
-    if (pid < 0) return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
-        int fd = open(e->log_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-            close(fd);
-        }
-        execlp("etcd", "etcd", "--name", "t", "--data-dir", e->data_dir, "--listen-client-urls",
-               client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-               "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster,
-               "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn",
-               (char *)NULL);
-        _exit(127);
+    /* one flag and its value a line */
+    /* clang-format off */
+    char *argv[] = {"etcd", "--name", "t",
+                    "--data-dir", e->data_dir,
+                    "--listen-client-urls", client,
+                    "--advertise-client-urls", client,
+                    "--listen-peer-urls", peer,
+                    "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", cluster,
+                    "--initial-cluster-state", "new",
+                    "--logger", "zap", "--log-level", "warn", NULL};
+    /* clang-format on */
+    th_spawn_opts o = {.log = e->log_path, .die_with_parent = 1};
+    e->pid = th_spawn(argv, &o);
+    if (e->pid < 0) {
+        e->pid = 0;
+        return -1;
     }
-    e->pid = pid;
     double deadline = mono_now_s() + 15.0;
     while (mono_now_s() < deadline) {
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) {
+        if (th_wait(&e->pid, 0, NULL) != 0) {
             e->pid = 0;
             fprintf(stderr, "test_etcd: etcd exited at start (see %s)\n", e->log_path);
             return -1;
         }
         if (answers(e)) return 0;
-        usleep(50 * 1000);
+        th_sleep_ms(50);
     }
     fprintf(stderr, "test_etcd: etcd did not answer within 15 s (see %s)\n", e->log_path);
     test_etcd_kill(e);
@@ -130,8 +97,8 @@ int test_etcd_start(test_etcd *e)
     }
     snprintf(e->log_path, sizeof(e->log_path), "%s.log", e->data_dir);
     for (int attempt = 0; attempt < 5; attempt++) {
-        e->client_port = test_free_port();
-        e->peer_port = test_free_port();
+        e->client_port = th_free_port();
+        e->peer_port = th_free_port();
         if (e->client_port <= 0 || e->peer_port <= 0 || e->client_port == e->peer_port) continue;
         snprintf(e->endpoint, sizeof(e->endpoint), "http://127.0.0.1:%d", e->client_port);
         if (spawn(e) == 0) return 0;
@@ -152,11 +119,7 @@ const char *test_etcd_shared_or_start(test_etcd *e)
 
 void test_etcd_kill(test_etcd *e)
 {
-    if (e->pid > 0) {
-        kill(e->pid, SIGKILL);
-        waitpid(e->pid, NULL, 0);
-        e->pid = 0;
-    }
+    th_kill(&e->pid);
 }
 
 int test_etcd_restart(test_etcd *e)
@@ -167,16 +130,9 @@ int test_etcd_restart(test_etcd *e)
 
 void test_etcd_stop(test_etcd *e)
 {
-    if (e->pid > 0) {
-        kill(e->pid, SIGTERM);
-        double deadline = mono_now_s() + 5.0;
-        int st;
-        while (waitpid(e->pid, &st, WNOHANG) == 0 && mono_now_s() < deadline)
-            usleep(20 * 1000);
-        test_etcd_kill(e);
-    }
+    th_stop(&e->pid, 5000);
     if (e->data_dir[0]) {
-        if (test_sh("rm -rf '%s' '%s'", e->data_dir, e->log_path) != 0)
+        if (th_sh("rm -rf '%s' '%s'", e->data_dir, e->log_path) != 0)
             fprintf(stderr, "test_etcd: could not remove %s\n", e->data_dir);
         e->data_dir[0] = 0;
     }
@@ -197,8 +153,8 @@ int test_cluster_init(test_cluster *c, int n, const char *name)
         return -1;
     }
     for (int i = 0; i < n; i++) {
-        c->client_port[i] = test_free_port();
-        c->peer_port[i] = test_free_port();
+        c->client_port[i] = th_free_port();
+        c->peer_port[i] = th_free_port();
         if (c->client_port[i] <= 0 || c->peer_port[i] <= 0) {
             fprintf(stderr, "test_cluster: no free port\n");
             return -1;
@@ -218,45 +174,63 @@ void test_cluster_endpoints(const test_cluster *c, char *buf, size_t len)
         used += (size_t)snprintf(buf + used, len - used, "%s%s", i ? "," : "", c->client_url[i]);
 }
 
-void test_cluster_exec(const test_cluster *c, int i)
+/* Member i's command line, and the strings it points into. */
+typedef struct member_cmd {
+    char name[16], data[300], log[300], cluster[TEST_CLUSTER_MAX * 80];
+    char *argv[32];
+} member_cmd;
+
+static void member_cmd_init(member_cmd *m, const test_cluster *c, int i)
 {
-    char name[16], data[300], log[300], cluster[TEST_CLUSTER_MAX * 80] = "";
-    snprintf(name, sizeof(name), "m%d", i);
-    snprintf(data, sizeof(data), "%s/%s", c->dir, name);
-    snprintf(log, sizeof(log), "%s/%s.log", c->dir, name);
+    snprintf(m->name, sizeof(m->name), "m%d", i);
+    snprintf(m->data, sizeof(m->data), "%s/%s", c->dir, m->name);
+    snprintf(m->log, sizeof(m->log), "%s/%s.log", c->dir, m->name);
+    m->cluster[0] = 0;
     size_t used = 0;
     for (int k = 0; k < c->n; k++)
-        used += (size_t)snprintf(cluster + used, sizeof(cluster) - used, "%sm%d=%s", k ? "," : "",
-                                 k, c->peer_url[k]);
-    if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
-    execlp("etcd", "etcd", "--name", name, "--data-dir", data, "--listen-client-urls",
-           c->client_url[i], "--advertise-client-urls", c->client_url[i], "--listen-peer-urls",
-           c->peer_url[i], "--initial-advertise-peer-urls", c->peer_url[i], "--initial-cluster",
-           cluster, "--initial-cluster-state", "new", "--initial-cluster-token", c->dir,
-           "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
-           "--log-level", "error", (char *)NULL);
+        used += (size_t)snprintf(m->cluster + used, sizeof(m->cluster) - used, "%sm%d=%s",
+                                 k ? "," : "", k, c->peer_url[k]);
+    /* one flag and its value a line */
+    /* clang-format off */
+    char *argv[] = {"etcd", "--name", m->name,
+                    "--data-dir", m->data,
+                    "--listen-client-urls", (char *)c->client_url[i],
+                    "--advertise-client-urls", (char *)c->client_url[i],
+                    "--listen-peer-urls", (char *)c->peer_url[i],
+                    "--initial-advertise-peer-urls", (char *)c->peer_url[i],
+                    "--initial-cluster", m->cluster,
+                    "--initial-cluster-state", "new",
+                    "--initial-cluster-token", (char *)c->dir,
+                    "--heartbeat-interval", "50", "--election-timeout", "500",
+                    "--logger", "zap", "--log-level", "error", NULL};
+    /* clang-format on */
+    _Static_assert(sizeof(argv) <= sizeof(m->argv), "member_cmd.argv is too small");
+    memcpy(m->argv, argv, sizeof(argv));
+}
+
+void test_cluster_exec(const test_cluster *c, int i)
+{
+    member_cmd m;
+    member_cmd_init(&m, c, i);
+    if (th_redirect(m.log) != 0) _exit(127);
+    execvp(m.argv[0], m.argv);
     _exit(127);
 }
 
 int test_cluster_start(test_cluster *c, int i)
 {
-    pid_t pid = fork();
+    member_cmd m;
+    member_cmd_init(&m, c, i);
+    th_spawn_opts o = {.log = m.log, .die_with_parent = 1};
+    pid_t pid = th_spawn(m.argv, &o);
     if (pid < 0) return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
-        test_cluster_exec(c, i);
-    }
     c->pids[i] = pid;
     return 0;
 }
 
 void test_cluster_kill(test_cluster *c, int i)
 {
-    if (c->pids[i] > 0) {
-        kill(c->pids[i], SIGKILL);
-        waitpid(c->pids[i], NULL, 0);
-        c->pids[i] = 0;
-    }
+    th_kill(&c->pids[i]);
 }
 
 void test_cluster_stop(test_cluster *c)
@@ -264,7 +238,7 @@ void test_cluster_stop(test_cluster *c)
     for (int i = 0; i < c->n; i++)
         test_cluster_kill(c, i);
     if (c->dir[0]) {
-        if (test_sh("rm -rf '%s'", c->dir) != 0)
+        if (th_sh("rm -rf '%s'", c->dir) != 0)
             fprintf(stderr, "test_cluster: could not remove %s\n", c->dir);
         c->dir[0] = 0;
     }

@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <sys/types.h>
 
+#include "th_proc.h"
+
 typedef struct test_etcd {
     int client_port;
     int peer_port;
@@ -38,10 +40,6 @@ void test_etcd_stop(test_etcd *e);
 /* POSTs a JSON body to endpoint + path (the gateway: "/v3/kv/compaction",
  * calls the client has no need for); the HTTP status, or -1 without one. */
 long test_etcd_post(const char *endpoint, const char *path, const char *body, long timeout_ms);
-/* Runs a printf-formatted shell command; system()'s status (0: it worked). */
-int test_sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* A loopback port that was free a moment ago. */
-int test_free_port(void);
 
 /* ---- a cluster of real etcd members ---- */
 

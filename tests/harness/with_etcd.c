@@ -12,8 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 int main(int argc, char **argv)
 {
@@ -31,17 +29,11 @@ int main(int argc, char **argv)
     setenv("DUCTILE_TEST_ETCD", e.endpoint, 1);
     setenv("DUCTILE_TEST_ETCD_PID", pid, 1);
     setenv("DUCTILE_TEST_ETCD_DATA", data, 1);
-    pid_t child = fork();
-    if (child == 0) {
-        execvp(argv[first], argv + first);
-        fprintf(stderr, "with-etcd: %s: cannot run\n", argv[first]);
-        _exit(127);
-    }
+    pid_t child = th_spawn(argv + first, NULL);
     int st = 0;
     signal(SIGINT, SIG_IGN);
-    while (waitpid(child, &st, 0) < 0) {
-    }
+    /* No deadline of its own: the command is bounded by ctest's timeout. */
+    if (child < 0 || th_wait(&child, -1, &st) != 1) st = 127 << 8;
     test_etcd_stop(&e);
-    if (WIFEXITED(st)) return WEXITSTATUS(st);
-    return 128 + WTERMSIG(st);
+    return th_exit_code(st);
 }

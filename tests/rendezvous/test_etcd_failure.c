@@ -204,7 +204,7 @@ static void test_lease_expiry(etcd_client *c)
 static void test_failover(void)
 {
     char eps[256];
-    int dead = test_free_port();
+    int dead = th_free_port();
     snprintf(eps, sizeof(eps), "http://127.0.0.1:%d, %s", dead, srv.endpoint);
     etcd_client *c = test_client(eps, 3000);
     int64_t rev;
@@ -227,8 +227,8 @@ static void test_failover(void)
 static void test_down_at_start(void)
 {
     char eps[128];
-    snprintf(eps, sizeof(eps), "http://127.0.0.1:%d,http://127.0.0.1:%d", test_free_port(),
-             test_free_port());
+    snprintf(eps, sizeof(eps), "http://127.0.0.1:%d,http://127.0.0.1:%d", th_free_port(),
+             th_free_port());
     etcd_client *c = test_client(eps, 800);
     int64_t t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));

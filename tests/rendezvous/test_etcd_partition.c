@@ -29,19 +29,17 @@
 #include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
+#include "th_netns.h"
 
 #include <curl/curl.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #define MEMBERS 3
-#define SKIP 77
+#define SKIP TH_SKIP
 #define DEADLINE_MS 15000
 
 static test_cluster cl; /* member 0 behind its two links, 1 and 2 here */
@@ -54,73 +52,43 @@ static void cleanup(void)
 {
     test_cluster_stop(&cl);
     /* the veths went with member 0's namespace; this is for a failed start */
-    if (peer_host[0]) test_sh("ip link del %s 2>/dev/null", peer_host);
-    if (cli_host[0]) test_sh("ip link del %s 2>/dev/null", cli_host);
+    th_link_del(peer_host);
+    th_link_del(cli_host);
+}
+
+/* In member 0's namespace, once its links exist: sets them up, becomes m0. */
+static void member0(void *arg)
+{
+    (void)arg;
+    char peer[32], cli[32];
+    snprintf(peer, sizeof(peer), "10.214.%d.2/30", net);
+    snprintf(cli, sizeof(cli), "10.214.%d.6/30", net);
+    if (th_sh("ip link set lo up") != 0 || th_link_up(peer_ns, peer) != 0 ||
+        th_link_up(cli_ns, cli) != 0)
+        _exit(1);
+    test_cluster_exec(&cl, 0);
 }
 
 /* Member 0 in a new network namespace, wired to this one by two veth pairs
  * made once it exists. Returns 0, or SKIP when that cannot be done. */
 static int start_member0(void)
 {
-    int up[2], go[2];
-    CHECK_OR_EXIT(pipe(up) == 0 && pipe(go) == 0);
-    cl.pids[0] = fork();
-    CHECK_OR_EXIT(cl.pids[0] >= 0);
-    if (cl.pids[0] == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(up[0]);
-        close(go[1]);
-        char ok = unshare(CLONE_NEWNET) == 0;
-        if (write(up[1], &ok, 1) != 1 || !ok) _exit(SKIP);
-        if (read(go[0], &ok, 1) != 1) _exit(1);
-        if (test_sh(
-                "ip link set lo up && ip addr add 10.214.%d.2/30 dev %s && ip link set %s up && "
-                "ip addr add 10.214.%d.6/30 dev %s && ip link set %s up",
-                net, peer_ns, peer_ns, net, cli_ns, cli_ns) != 0)
-            _exit(1);
-        test_cluster_exec(&cl, 0);
-    }
-    close(up[1]);
-    close(go[0]);
-    char ok = 0;
-    int got = (int)read(up[0], &ok, 1);
-    close(up[0]);
-    if (got != 1 || !ok) {
-        fprintf(stderr, "cannot make a network namespace\n");
-        close(go[1]);
+    th_netns ns;
+    int rc = th_netns_fork(&ns, member0, NULL);
+    CHECK_OR_EXIT(rc >= 0);
+    if (rc != 0) return SKIP;
+    cl.pids[0] = ns.pid;
+    char peer[32], cli[32];
+    snprintf(peer, sizeof(peer), "10.214.%d.1/30", net);
+    snprintf(cli, sizeof(cli), "10.214.%d.5/30", net);
+    if (th_netns_veth(&ns, peer_host, peer_ns, peer) != 0 ||
+        th_netns_veth(&ns, cli_host, cli_ns, cli) != 0) {
+        th_netns_kill(&ns);
+        cl.pids[0] = 0;
         return SKIP;
     }
-    int pid = cl.pids[0];
-    if (test_sh("ip link add %s type veth peer name %s netns %d", peer_host, peer_ns, pid) != 0 ||
-        test_sh("ip link add %s type veth peer name %s netns %d", cli_host, cli_ns, pid) != 0 ||
-        test_sh("ip addr add 10.214.%d.1/30 dev %s && ip link set %s up", net, peer_host,
-                peer_host) ||
-        test_sh("ip addr add 10.214.%d.5/30 dev %s && ip link set %s up", net, cli_host,
-                cli_host)) {
-        fprintf(stderr, "cannot make veth pairs\n");
-        close(go[1]);
-        return SKIP;
-    }
-    ok = 1;
-    CHECK_OR_EXIT(write(go[1], &ok, 1) == 1);
-    close(go[1]);
+    CHECK_OR_EXIT(th_netns_go(&ns) == 0);
     return 0;
-}
-
-/* A /24 in 10.214/16 that no interface uses yet. */
-static int pick_net(void)
-{
-    for (int k = 0; k < 250; k++) {
-        int n = 1 + (getpid() + k) % 250;
-        char cmd[96], line[256];
-        snprintf(cmd, sizeof(cmd), "ip -o addr show to 10.214.%d.0/24", n);
-        FILE *p = popen(cmd, "r");
-        if (!p) return -1;
-        int used = fgets(line, sizeof(line), p) != NULL;
-        if (pclose(p) != 0) return -1;
-        if (!used) return n;
-    }
-    return -1;
 }
 
 /* ---- a raw gateway watch stream, read by a thread ---- */
@@ -353,7 +321,7 @@ int main(void)
         fprintf(stderr, "skipped: making network namespaces needs root\n");
         return SKIP;
     }
-    net = pick_net();
+    net = th_netns_pick_net("10.214");
     if (net < 0) {
         fprintf(stderr, "skipped: no free 10.214.x.0/24 (or no `ip`)\n");
         return SKIP;
@@ -412,7 +380,7 @@ int main(void)
 
     /* member 0 loses its peers; its clients' link stays up */
     fprintf(stderr, "peer link of member 0 down\n");
-    CHECK_OR_EXIT(test_sh("ip link set %s down", peer_host) == 0);
+    CHECK_OR_EXIT(th_sh("ip link set %s down", peer_host) == 0);
     int64_t rev = put(m1, "/pt/b", "after");
     int64_t put_at = mono_now_ms();
     expect_event(w, "/pt/b", "after");

@@ -11,8 +11,6 @@
 #include "test_etcd_util.h"
 
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 static char dir[256];
@@ -23,22 +21,22 @@ static pid_t etcd_pid;
 static int make_certs(void)
 {
     const char *q = "2>/dev/null";
-    if (test_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
-                "-days 2 -subj /CN=ductile-test-ca %s",
-                dir, q) != 0 ||
-        test_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key "
-                "-out other.pem -days 2 -subj /CN=other-ca %s",
-                dir, q) != 0 ||
-        test_sh("cd %s && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,"
-                "clientAuth\\n' > ext.cnf",
-                dir) != 0)
+    if (th_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
+              "-days 2 -subj /CN=ductile-test-ca %s",
+              dir, q) != 0 ||
+        th_sh("cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key "
+              "-out other.pem -days 2 -subj /CN=other-ca %s",
+              dir, q) != 0 ||
+        th_sh("cd %s && printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth,"
+              "clientAuth\\n' > ext.cnf",
+              dir) != 0)
         return -1;
     const char *names[] = {"server", "client"};
     for (int i = 0; i < 2; i++)
-        if (test_sh("cd %s && openssl req -newkey rsa:2048 -nodes -keyout %s.key -out %s.csr "
-                    "-subj /CN=%s %s && openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key "
-                    "-CAcreateserial -out %s.pem -days 2 -extfile ext.cnf %s",
-                    dir, names[i], names[i], names[i], q, names[i], names[i], q) != 0)
+        if (th_sh("cd %s && openssl req -newkey rsa:2048 -nodes -keyout %s.key -out %s.csr "
+                  "-subj /CN=%s %s && openssl x509 -req -in %s.csr -CA ca.pem -CAkey ca.key "
+                  "-CAcreateserial -out %s.pem -days 2 -extfile ext.cnf %s",
+                  dir, names[i], names[i], names[i], q, names[i], names[i], q) != 0)
             return -1;
     return 0;
 }
@@ -54,29 +52,29 @@ static void start_etcd(int port, int peer)
     snprintf(f[0], sizeof(f[0]), "%s/server.pem", dir);
     snprintf(f[1], sizeof(f[1]), "%s/server.key", dir);
     snprintf(f[2], sizeof(f[2]), "%s/ca.pem", dir);
-    etcd_pid = fork();
+    /* one flag and its value a line */
+    /* clang-format off */
+    char *argv[] = {"etcd", "--name", "t",
+                    "--data-dir", data,
+                    "--listen-client-urls", client,
+                    "--advertise-client-urls", client,
+                    "--listen-peer-urls", peer_url,
+                    "--initial-advertise-peer-urls", peer_url,
+                    "--initial-cluster", cluster,
+                    "--cert-file", f[0], "--key-file", f[1], "--trusted-ca-file", f[2],
+                    "--client-cert-auth",
+                    "--logger", "zap", "--log-level", "warn", NULL};
+    /* clang-format on */
+    th_spawn_opts o = {.log = log, .die_with_parent = 1};
+    etcd_pid = th_spawn(argv, &o);
     CHECK_OR_EXIT(etcd_pid >= 0);
-    if (etcd_pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (!freopen(log, "a", stdout) || !freopen(log, "a", stderr)) _exit(127);
-        execlp("etcd", "etcd", "--name", "t", "--data-dir", data, "--listen-client-urls", client,
-               "--advertise-client-urls", client, "--listen-peer-urls", peer_url,
-               "--initial-advertise-peer-urls", peer_url, "--initial-cluster", cluster,
-               "--cert-file", f[0], "--key-file", f[1], "--trusted-ca-file", f[2],
-               "--client-cert-auth", "--logger", "zap", "--log-level", "warn", (char *)NULL);
-        _exit(127);
-    }
 }
 
 static void stop_etcd(void)
 {
-    if (etcd_pid > 0) {
-        kill(etcd_pid, SIGKILL);
-        waitpid(etcd_pid, NULL, 0);
-        etcd_pid = 0;
-    }
+    th_kill(&etcd_pid);
     if (dir[0]) {
-        if (test_sh("rm -rf '%s'", dir) != 0) fprintf(stderr, "could not remove %s\n", dir);
+        if (th_sh("rm -rf '%s'", dir) != 0) fprintf(stderr, "could not remove %s\n", dir);
         dir[0] = 0;
     }
 }
@@ -103,7 +101,7 @@ int main(void)
     CHECK_OR_EXIT(mkdtemp(dir));
     atexit(stop_etcd); /* a failed CHECK exits: still stop etcd and remove the files */
     CHECK_OR_EXIT(make_certs() == 0, "openssl could not make the certificates");
-    int port = test_free_port(), peer = test_free_port();
+    int port = th_free_port(), peer = th_free_port();
     CHECK_OR_EXIT(port > 0 && peer > 0 && port != peer);
     start_etcd(port, peer);
     char ep[64];

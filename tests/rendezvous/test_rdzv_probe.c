@@ -9,13 +9,13 @@
  */
 #include "check.h"
 #include "rdzv_internal.h"
+#include "th_proc.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #define T 2000
@@ -81,7 +81,7 @@ int main(void)
         _exit(0);
     }
     CHECK(ask(sport, "node-a", 1, T) == RDZV_PROBE_DEAD, "closed without a line");
-    waitpid(child, NULL, 0);
+    if (th_wait(&child, 5000, NULL) != 1) th_kill(&child);
     close(sfd);
 
     CHECK(ask(0, "node-a", 1, T) == RDZV_PROBE_UNKNOWN, "no probe port");

@@ -5,6 +5,7 @@
 #include "test_rdzv_procs.h"
 
 #include "ductile/clock.h"
+#include "th_scenario.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,8 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 void tp_init(tp_set *s, const char *exe, const char *endpoint, const char *job)
@@ -57,17 +56,15 @@ int tp_spawn(tp_set *s, const char *node, const char *extra)
         close(in[1]);
         return -1;
     }
-    pid_t pid = fork();
-    if (pid < 0) return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        dup2(in[0], 0);
-        dup2(out[1], 1);
-        execv(s->exe, argv);
-        _exit(127);
-    }
+    th_spawn_opts o = {.in_fd = in[0], .out_fd = out[1], .die_with_parent = 1};
+    pid_t pid = th_spawn(argv, &o);
     close(in[0]);
     close(out[1]);
+    if (pid < 0) {
+        close(in[1]);
+        close(out[0]);
+        return -1;
+    }
     tp_proc *p = &s->procs[s->nprocs];
     memset(p, 0, sizeof(*p));
     p->pid = pid;
@@ -237,10 +234,7 @@ void tp_free(tp_set *s)
 {
     for (int i = 0; i < s->nprocs; i++) {
         tp_proc *p = &s->procs[i];
-        if (p->pid > 0) {
-            kill(p->pid, SIGKILL);
-            waitpid(p->pid, NULL, 0);
-        }
+        th_kill(&p->pid);
         close(p->in_fd);
         close(p->out_fd);
         for (size_t k = 0; k < p->nlines; k++)
@@ -253,24 +247,14 @@ void tp_free(tp_set *s)
     memset(s, 0, sizeof(*s));
 }
 
-static void tp_usage(const char *prog, const tp_scenario *scenarios, size_t n)
-{
-    fprintf(stderr, "usage: %s ", prog);
-    for (size_t i = 0; i < n; i++)
-        fprintf(stderr, "%s%s", i ? "|" : "", scenarios[i].name);
-    fputc('\n', stderr);
-}
-
 int tp_main(int argc, char **argv, const char *exe, const tp_scenario *scenarios, size_t n)
 {
     if (argc != 2) {
-        tp_usage(argv[0], scenarios, n);
+        th_usage(argv[0], scenarios, n, sizeof(*scenarios));
         return 2;
     }
     const char *name = argv[1];
-    const tp_scenario *sc = NULL;
-    for (size_t i = 0; i < n && !sc; i++)
-        if (strcmp(scenarios[i].name, name) == 0) sc = &scenarios[i];
+    const tp_scenario *sc = th_find(scenarios, n, sizeof(*scenarios), name);
     test_etcd e;
     if (test_etcd_start(&e) != 0) return 1;
     tp_set s;

@@ -626,7 +626,7 @@ static int sc_errors(tp_set *s)
     /* etcd not there at all: a clear error within the deadline */
     tp_set down;
     char ep[64];
-    snprintf(ep, sizeof(ep), "http://127.0.0.1:%d", test_free_port());
+    snprintf(ep, sizeof(ep), "http://127.0.0.1:%d", th_free_port());
     tp_init(&down, s->exe, ep, "down");
     double t0 = mono_now_s();
     int d = tp_spawn(&down, "x", "--etcd-timeout-ms 2000");

@@ -13,15 +13,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
-
-void tc_sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
 
 int tc_group_init(tc_group *g, int world, const char *etcd, const char *job, int64_t round)
 {
@@ -148,37 +140,13 @@ int tc_spawn(tc_group *g, tc_rank_fn fn, void *arg)
 
 int tc_wait(tc_group *g, int timeout_s, int *status)
 {
-    int64_t deadline = mono_now_ms() + (int64_t)timeout_s * 1000;
-    int left = 0, bad = 0;
-    for (int r = 0; r < g->world; r++)
-        if (g->pids[r] > 0) left++;
-    while (left > 0) {
-        int st = 0;
-        pid_t pid = waitpid(-1, &st, WNOHANG);
-        if (pid < 0 && errno != EINTR) break;
-        if (pid <= 0) {
-            if (mono_now_ms() > deadline) {
-                for (int r = 0; r < g->world; r++)
-                    if (g->pids[r] > 0) {
-                        fprintf(stderr, "rank %d did not finish in %d s: killed\n", r, timeout_s);
-                        kill(g->pids[r], SIGKILL);
-                    }
-                deadline = mono_now_ms() + 10000;
-                timeout_s = 10;
-            }
-            struct timespec ts = {0, 5 * 1000000};
-            nanosleep(&ts, NULL);
-            continue;
-        }
-        for (int r = 0; r < g->world; r++) {
-            if (g->pids[r] != pid) continue;
-            if (status) status[r] = st;
-            if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
-            if (WIFEXITED(st) && WEXITSTATUS(st) != 0) /* its checks said why */
-                fprintf(stderr, "rank %d exited with %d\n", r, WEXITSTATUS(st));
-            g->pids[r] = 0;
-            left--;
-        }
+    int st[TC_MAX_RANKS] = {0}, late[TC_MAX_RANKS];
+    int bad = th_wait_all(g->pids, g->world, timeout_s * 1000, st, late);
+    for (int r = 0; r < g->world; r++) {
+        if (late[r]) fprintf(stderr, "rank %d did not finish in %d s: killed\n", r, timeout_s);
+        if (WIFEXITED(st[r]) && WEXITSTATUS(st[r]) != 0) /* its checks said why */
+            fprintf(stderr, "rank %d exited with %d\n", r, WEXITSTATUS(st[r]));
+        if (status && g->pids[r] == 0) status[r] = st[r];
     }
     return bad;
 }

@@ -1,13 +1,11 @@
 /* test_comm_launch.h: run one process per rank for the collectives tests.
  *
  * tc_spawn() forks `world` children, each running fn(rank, arg) and exiting
- * with its return value; tc_wait() collects them with a deadline (stragglers
- * are killed, so a hanging collective fails the test instead of hanging it);
- * tc_run() is the two together.
- * The ring is bootstrapped either through a real round store in etcd
- * (tc_group.etcd set) or, for tests of the ring core alone, over socketpairs
- * made before the fork. A tc_shared block in shared memory lets ranks report
- * results and times back to the parent.
+ * with its return value; tc_wait() collects them with a deadline
+ * (th_wait_all: stragglers are killed, so a hanging collective fails the test instead of hanging
+ * it); tc_run() is the two together. The ring is bootstrapped either through a real round store in
+ * etcd (tc_group.etcd set) or, for tests of the ring core alone, over socketpairs made before the
+ * fork. A tc_shared block in shared memory lets ranks report results and times back to the parent.
  */
 #ifndef DUCTILE_TEST_COMM_LAUNCH_H
 #define DUCTILE_TEST_COMM_LAUNCH_H
@@ -17,6 +15,7 @@
 
 #include "ductile/clock.h"
 #include "ductile/comm.h"
+#include "th_proc.h"
 
 #define TC_MAX_RANKS 16
 
@@ -42,9 +41,6 @@ typedef struct tc_group {
 } tc_group;
 
 typedef int (*tc_rank_fn)(tc_group *g, int rank, void *arg);
-
-/* Sleeps ms milliseconds, through signals. */
-void tc_sleep_ms(int ms);
 
 /* Makes the shared block; 0 or -1. */
 int tc_group_init(tc_group *g, int world, const char *etcd, const char *job, int64_t round);

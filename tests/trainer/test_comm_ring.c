@@ -9,9 +9,9 @@
  * compared bit for bit. Failure cases kill (SIGKILL), stop (SIGSTOP) or
  * abort a rank and check what every other rank gets back, and how soon.
  */
-#include "check.h"
 #include "test_comm_launch.h"
 #include "test_etcd.h"
+#include "th_scenario.h"
 
 #include "ductile/comm.h"
 
@@ -173,7 +173,7 @@ static int rank_barrier(tc_group *g, int rank, void *arg)
     comm *c = tc_connect_or_exit(g, rank);
     for (int round = 1; round <= 3; round++) {
         /* Late arrivals: no rank may leave the barrier before the last came. */
-        tc_sleep_ms(((rank + round) % g->world) * 60);
+        th_sleep_ms(((rank + round) % g->world) * 60);
         __atomic_add_fetch(&g->shared->arrived, 1, __ATOMIC_SEQ_CST);
         comm_err err = comm_barrier(c);
         CHECK_OR_RETURN(err == COMM_OK, "barrier: %s", comm_last_error(c));
@@ -280,7 +280,7 @@ static int wait_progress(tc_group *g, int timeout_s)
             if (g->shared->progress[r] < 1) all = 0;
         if (all) return 0;
         if (mono_now_ms() > deadline) return -1;
-        tc_sleep_ms(5);
+        th_sleep_ms(5);
     }
 }
 
@@ -297,7 +297,7 @@ static void test_kill(void)
         return;
     }
     CHECK(wait_progress(&g, 120) == 0, "ranks never finished an allreduce");
-    tc_sleep_ms(20);
+    th_sleep_ms(20);
     g.shared->t_event = mono_now_ms();
     kill(g.pids[victim], SIGKILL);
     int status[TC_MAX_RANKS] = {0};
@@ -341,7 +341,7 @@ static void test_stop(void)
         for (int r = 0; r < w; r++)
             if (r != victim && g.shared->t_err[r] == 0) all = 0;
         if (all || mono_now_ms() > deadline) break;
-        tc_sleep_ms(10);
+        th_sleep_ms(10);
     }
     kill(g.pids[victim], SIGKILL);
     int status[TC_MAX_RANKS] = {0};
@@ -379,7 +379,7 @@ typedef struct abort_arg {
 static void *abort_later(void *p)
 {
     abort_arg *a = p;
-    tc_sleep_ms(a->delay_ms);
+    th_sleep_ms(a->delay_ms);
     comm_abort(a->c);
     return NULL;
 }
@@ -402,7 +402,7 @@ static int rank_abort(tc_group *g, int rank, void *arg)
         CHECK_OR_RETURN(dt >= 250 && dt < 5000, "aborted after %lld ms", (long long)dt);
         CHECK_OR_RETURN(comm_barrier(c) == COMM_ERR_ABORTED, "later call after abort");
     } else {
-        tc_sleep_ms(1500);
+        th_sleep_ms(1500);
         /* The aborted rank dropped the group: the late one learns at once. */
         int64_t t0 = mono_now_ms();
         comm_err err = comm_allreduce_sum_f32(c, buf, 1000);
@@ -554,7 +554,7 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_DFL);
     test_etcd etcd = {0};
     if (!pairs && !(g_etcd = test_etcd_shared_or_start(&etcd))) return 1;
-    static const check_case cases[] = {
+    static const th_case cases[] = {
         {"single", test_single},
         {"allreduce", test_allreduce},
         {"small", test_small_collectives},
@@ -565,8 +565,7 @@ int main(int argc, char **argv)
         {"stray", test_stray},
         {"fenced", test_fenced},
     };
-    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, first,
-                    pairs ? "socketpairs" : "store");
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, first, pairs ? "socketpairs" : "store");
     test_etcd_stop(&etcd);
     return check_finish("test_comm_ring");
 }

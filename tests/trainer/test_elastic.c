@@ -18,6 +18,7 @@
  * a claim in the next agreement.
  */
 #include "test_comm_launch.h"
+#include "th_scenario.h"
 #include "trainer_test.h"
 
 #include "comm_impl.h"
@@ -123,7 +124,7 @@ static int aborted_within(comm *c, int ms)
 {
     int64_t deadline = mono_now_ms() + ms;
     while (!comm_is_aborted(c) && mono_now_ms() < deadline)
-        tc_sleep_ms(5);
+        th_sleep_ms(5);
     return comm_is_aborted(c);
 }
 
@@ -132,7 +133,7 @@ static int ending_within(elastic *e, int ms)
 {
     int64_t deadline = mono_now_ms() + ms;
     while (!elastic_ending(e) && mono_now_ms() < deadline)
-        tc_sleep_ms(5);
+        th_sleep_ms(5);
     return elastic_ending(e);
 }
 
@@ -158,7 +159,7 @@ static void test_graceful_then_round(void)
     CHECK(saw_round(f.e, 2), "round 2 not seen");
     /* The round line was handled under the lock that would abort: no wait. */
     CHECK(!comm_is_aborted(f.c), "round 2 aborted a gracefully ending round");
-    tc_sleep_ms(STILL_MS);
+    th_sleep_ms(STILL_MS);
     CHECK(!comm_is_aborted(f.c), "a gracefully ending round was aborted after %d ms", STILL_MS);
     CHECK(elastic_ending(f.e), "the round no longer ends");
     say(&f, "abort 1 lost\n");
@@ -250,7 +251,7 @@ static void test_rounds_and_attach(void)
     CHECK(saw_round(f.e, 3), "round 3 not seen");
     elastic_attach(f.e, f.c, 2);
     CHECK(!comm_is_aborted(f.c), "a comm attached to a gracefully ending round was aborted");
-    tc_sleep_ms(STILL_MS);
+    th_sleep_ms(STILL_MS);
     CHECK(!comm_is_aborted(f.c), "aborted after %d ms", STILL_MS);
     /* Detached, then round 3's comm: a fresh round, not ending. */
     elastic_attach(f.e, NULL, 2);
@@ -500,7 +501,7 @@ int main(int argc, char **argv)
     /* The ring must never raise SIGPIPE; elastic.c sends with MSG_NOSIGNAL. */
     signal(SIGPIPE, SIG_DFL);
     unsetenv("DUCTILE_FAILPOINTS"); /* only the share cases' ranks set their own */
-    static const check_case cases[] = {
+    static const th_case cases[] = {
         {"graceful_then_round", test_graceful_then_round},
         {"graceful_then_later_lost", test_graceful_then_later_lost},
         {"lost", test_lost},
@@ -511,6 +512,6 @@ int main(int argc, char **argv)
         {"classify", test_classify},
         {"share", test_share},
     };
-    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_elastic");
 }

@@ -17,6 +17,7 @@
  * processes set them, and this parent never runs a ring of its own.
  */
 #include "test_comm_launch.h"
+#include "th_scenario.h"
 #include "test_etcd.h"
 #include "trainer_test.h"
 
@@ -167,12 +168,12 @@ int main(int argc, char **argv)
     unsetenv("DUCTILE_FAILPOINTS");
     test_etcd etcd;
     if (!(g_etcd = test_etcd_shared_or_start(&etcd))) return 1;
-    static const check_case cases[] = {
+    static const th_case cases[] = {
         {"connect", test_connect},
         {"collective_pairs", test_collective_pairs},
         {"collective_store", test_collective_store},
     };
-    check_run_cases(cases, sizeof(cases) / sizeof(cases[0]), argc, argv, 1, NULL);
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     test_etcd_stop(&etcd);
     return check_finish("test_ring_failpoints");
 }

@@ -32,7 +32,7 @@ import tempfile
 import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
-from testlib import Fail, check, wait_for  # noqa: E402
+from testlib import check, run_cases, wait_for  # noqa: E402
 
 TRAIN = os.environ["TRAIN"]
 DATA = os.environ["FASHION_MNIST"]
@@ -221,17 +221,8 @@ CASES = {"peer": case_peer, "firsthand": case_firsthand, "rebuild": case_rebuild
 
 
 def main():
-    names = sys.argv[1:] or list(CASES)
-    bad = 0
     with tempfile.TemporaryDirectory(prefix="ductile-test-elastic-") as tmp:
-        for name in names:
-            try:
-                CASES[name](tmp)
-                print("ok   %s" % name, flush=True)
-            except Fail as e:
-                print("FAIL %s: %s" % (name, e), flush=True)
-                bad += 1
-    return 1 if bad else 0
+        return run_cases(CASES, sys.argv[1:], tmp)
 
 
 if __name__ == "__main__":
