@@ -138,7 +138,7 @@ static int peer_rank(tc_group *g, int rank, void *arg)
         _exit(0);
     }
     g->shared->progress[rank] = 1;
-    if (mode == PEER_LATE) tc_sleep_ms(1000); /* the loss is known before the call */
+    if (mode == PEER_LATE) th_sleep_ms(1000); /* the loss is known before the call */
     float *x = NULL; /* device memory: only the error's kind is under test */
     CHECK_OR_RETURN(cudaMalloc((void **)&x, 16 * sizeof(float)) == cudaSuccess);
     comm_err err = comm_allreduce_sum_f32(c, x, 16);
