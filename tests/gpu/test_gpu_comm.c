@@ -29,6 +29,9 @@
  *                  that waited most of its deadline for the id still has a
  *                  whole one for the init (rank 0 comes 5 s late, rank 2
  *                  9.5 s late, with 8 s deadlines);
+ *   teardown_error a failed stream sync while the reducer's gradient
+ *                  buffer is freed is kept as the context's error, naming
+ *                  the call (gpu_status), not dropped;
  *   staging_error  a failed staging copy (failpoint) is COMM_ERR_CUDA with
  *                  the call named in the comm's error line.
  */
@@ -213,6 +216,35 @@ static int staging_error(void)
     return check_failures() != 0;
 }
 
+/* ---- teardown_error (world 1) ---- */
+
+static int teardown_error(void)
+{
+    model_config cfg = {.kind = MODEL_MLP,
+                        .in_c = 1,
+                        .in_h = 4,
+                        .in_w = 4,
+                        .classes = 3,
+                        .nhidden = 1,
+                        .hidden = {8}};
+    model *m = NULL;
+    char msg[256];
+    CHECK_OR_RETURN(model_create(&cfg, 4, &m, msg) == 0, "model: %s", msg);
+    CHECK_OR_RETURN(gpu_attach(m, 0, msg) == 0, "attach: %s", msg);
+    float *grads = gpu_grad_alloc(m, 64);
+    CHECK_OR_RETURN(grads != NULL);
+    CHECK(gpu_status(m, msg) == 0, "before: %s", msg);
+    rt_fail_next("cudaStreamSynchronize");
+    gpu_grad_free(m, grads);
+    int st = gpu_status(m, msg);
+    printf("  after a failed sync under gpu_grad_free: %d (%s)\n", st, st ? msg : "");
+    CHECK(st != 0 && strstr(msg, "cudaStreamSynchronize") != NULL,
+          "the failed sync was not kept: %d '%s'", st, st ? msg : "");
+    gpu_detach(m);
+    model_free(m);
+    return check_failures() != 0;
+}
+
 typedef struct {
     const char *name;
     int world;
@@ -238,6 +270,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if (strcmp(argv[1], "staging_error") == 0) return staging_error();
+    if (strcmp(argv[1], "teardown_error") == 0) return teardown_error();
     const test_case *tc = th_find(cases, TH_COUNT(cases), sizeof(cases[0]), argv[1]);
     if (!tc) {
         fprintf(stderr, "test_gpu_comm: unknown case %s\n", argv[1]);

@@ -122,8 +122,23 @@ static cudaError_t ret(cudaError_t e)
     return e;
 }
 
+static pthread_mutex_t armed_mu = PTHREAD_MUTEX_INITIALIZER;
+static char armed[64]; /* rt_fail_next's call name, "" when none */
+
+void rt_fail_next(const char *name)
+{
+    pthread_mutex_lock(&armed_mu);
+    snprintf(armed, sizeof(armed), "%s", name);
+    pthread_mutex_unlock(&armed_mu);
+}
+
 const char *rt_call(const char *family, const char *name)
 {
+    pthread_mutex_lock(&armed_mu);
+    int fire = armed[0] && strcmp(armed, name) == 0;
+    if (fire) armed[0] = '\0';
+    pthread_mutex_unlock(&armed_mu);
+    if (fire) return "error";
     char full[128];
     snprintf(full, sizeof(full), "gpurt.%s", family);
     const char *any = failpoint(full);
