@@ -218,7 +218,11 @@ static long raw_post(const char *endpoint, const char *path, const char *body, i
     curl_slist_free_all(hdrs);
     curl_easy_cleanup(h);
     pthread_mutex_destroy(&r.mu);
-    snprintf(out, outlen, "%s", r.body);
+    /* The answer, cut to the caller's buffer. */
+    size_t n = strnlen(r.body, sizeof(r.body));
+    if (n >= outlen) n = outlen - 1;
+    memcpy(out, r.body, n);
+    out[n] = '\0';
     return http;
 }
 
