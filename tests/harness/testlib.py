@@ -80,7 +80,7 @@ def pid_alive(pid):
         with open("/proc/%d/stat" % pid) as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
         return state not in ("Z", "X")
-    except (FileNotFoundError, IndexError):
+    except (OSError, IndexError):  # gone, or going while read (ESRCH)
         return False
 
 
