@@ -94,7 +94,7 @@ def trial_stop(i):
         for n in range(4):
             job.start("node-%d" % n)
         rnd = job.wait_round(4, 60)
-        time.sleep(0.3)
+        time.sleep(1.5)  # the test worker says its first step after 0.5 s: watched from then on
         victim = at.workers_of(job, job.agents[3])[0]["_pid"]
         t0 = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
