@@ -427,7 +427,9 @@ def case_worker_crash(job):
 def case_watchdog(job):
     """A worker that reported steps and then goes silent (hung, its sockets
     open) is killed by its own agent after --hang-timeout, counted once as
-    that node's failure, and shown in /metrics; the other node is not blamed."""
+    that node's failure, and shown in /metrics; the other node is not blamed.
+    Then one that stays alive and beating but makes no progress in local
+    work is killed too."""
     job.flags += FAST + ["--nnodes", "2", "--max-restarts", "2"]
     port = free_port()
     a = job.start("node-a")
@@ -454,6 +456,18 @@ def case_watchdog(job):
     check(job_restarts(job) == 1, "one restart counted, got %s" % job_restarts(job))
     check(not re.search(r"\(pid \d+\) hung:", a.log()), "node-a's worker killed for node-b's hang")
     check(a.alive() and b.alive(), "agents carry on")
+    # Alive and beating (`phase compute` every 0.5 s) but no new step: stuck
+    # in local work, killed for want of progress, not for silence.
+    r2 = job.wait_round(2, 60)
+    w2 = workers_of(job, b)[0]
+    wait_for(lambda: re.search(step_re, http_get(port, "/metrics")[1], re.M), 20,
+             "the new worker's step in /metrics")
+    job.command(w2["_pid"], "stall")
+    job.wait_round(2, 60, newer_than=r2)
+    check(re.search(r"worker rank \d+ \(pid %d\) hung: no progress for [0-9.]+ s "
+                    r"\(--hang-timeout 2 s\) in phase compute" % w2["_pid"], b.log()),
+          "one line on the stall: %s" % b.log()[-600:])
+    check(job_restarts(job) == 2, "a second restart counted, got %s" % job_restarts(job))
 
 
 def case_restart_limit(job):

@@ -163,7 +163,7 @@ int main(void)
         mesh[nmesh++] = fd;
     }
 
-    int hang = 0, segv_on_term = 0;
+    int hang = 0, stall = 0, segv_on_term = 0;
     long step = 0;
     long long round = getenv("DUCTILE_ROUND") ? atoll(getenv("DUCTILE_ROUND")) : 0;
     double next_step = mono_now_s() + 0.5;
@@ -193,6 +193,10 @@ int main(void)
             if (strcmp(cmd, "segv-on-term") == 0 && !segv_on_term) {
                 segv_on_term = 1;
                 say(dir, "segv-on-term");
+            }
+            if (strcmp(cmd, "stall") == 0 && !stall) { /* alive, beating, no progress */
+                stall = 1;
+                say(dir, "stall");
             }
             if (strcmp(cmd, "hang") == 0 && !hang) {
                 hang = 1;
@@ -267,7 +271,8 @@ int main(void)
         }
         if (!hang && ctl >= 0 && mono_now_s() >= next_step) {
             char line[64];
-            int len = snprintf(line, sizeof(line), "step %ld\n", ++step);
+            int len = stall ? snprintf(line, sizeof(line), "phase compute\n")
+                            : snprintf(line, sizeof(line), "step %ld\n", ++step);
             if (write(ctl, line, (size_t)len) != len) ctl = -1;
             next_step = mono_now_s() + 0.5;
         }

@@ -660,8 +660,7 @@ CHAOS_EPOCHS = 40
 GPU_CORE = ["agent_kill:inplace", "agent_kill:restart", "scale_up:inplace", "scale_up:restart",
             "hot_spare:inplace", "hot_spare:restart"]
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
-        "scale_up:restart", "etcd_pause:inplace", "hung_worker:inplace",
-        "stuck_step:restart"]
+        "scale_up:restart", "etcd_pause:inplace", "hung_worker:inplace"]
 
 
 class Env:
