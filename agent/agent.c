@@ -873,9 +873,14 @@ static void on_signalfd(agent *a)
 /* The progress watchdog: while workers train (or, in place, wait for a
  * round), a hung one is killed; its reaping ends the round as this node's
  * failure. */
+static int watching(const agent *a)
+{
+    return a->state == AGENT_RUNNING || (a->state == AGENT_RDZV && a->o->inplace);
+}
+
 static void check_hung(agent *a, double now)
 {
-    if (a->state != AGENT_RUNNING && !(a->state == AGENT_RDZV && a->o->inplace)) return;
+    if (!watching(a)) return;
     for (int i = 0; a->ws.w && i < a->ws.n; i++)
         if (agent_watchdog_hung(&a->wd, &a->ws.w[i], now))
             agent_watchdog_kill(&a->wd, &a->ws.w[i], &a->lg);
@@ -989,7 +994,7 @@ static void run_loop(agent *a)
         double now = mono_now_s(), next = now + 1.0;
         if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
         if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
-        double hang_at = agent_watchdog_next(&a->wd, &a->ws);
+        double hang_at = watching(a) ? agent_watchdog_next(&a->wd, &a->ws) : 0;
         if (hang_at > 0 && hang_at < next) next = hang_at;
         int timeout = next > now ? (int)((next - now) * 1000.0) + 1 : 0;
         int got = poll(pfd, (nfds_t)n, timeout);

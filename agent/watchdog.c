@@ -1,8 +1,8 @@
 /* watchdog.c: the progress watchdog (see watchdog.h).
  *
  * The agent already hears every worker on its control channel; the
- * watchdog only keeps three times per worker (started, last progress, last
- * heard) and compares them with one bound. Waiting on peers is not
+ * watchdog only keeps two times per worker (last progress, last heard)
+ * and compares them with one bound. Waiting on peers is not
  * watched: a collective or a rebuild has the worker's own deadline
  * (--comm-timeout-ms), and a peer that is hung is its own agent's to kill,
  * so the survivors are never blamed for it. A silent process (stopped,
