@@ -43,11 +43,12 @@ asan: deps
 # Every test, under ASan/UBSan (the GPU ones on the host test runtime); the
 # optimised build is compiled too so its warnings count, CUDA's included. A test runs once: one that passes only on a second try is
 # a bug. The agent and e2e tests run again with every core kept busy
-# (tests/harness/contend.py).
+# (tests/harness/contend.py); those run alone (RUN_SERIAL), the rest $(JOBS)
+# at a time, so no test may depend on a quiet machine.
 test: build asan
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --output-on-failure --timeout 1200 -LE long
+	  ctest --output-on-failure --timeout 1200 -j $(JOBS) -LE long
 
 # Soak and chaos runs: longer than `make test`.
 test-long: build

@@ -30,10 +30,13 @@ verify() checks the same sample accounting, that the ranks of the last
 round end with the same parameters bit for bit (--dump-params, every rank),
 and an accuracy floor instead of a reference run.
 `gpu` is the GPU core: pod kill, join and hot spare, in place and by
-restart.
+restart. `core-contended` and `gpu-contended` are the shorter lists that run
+again with every core kept busy (make test's time): each fault path of the
+core once, in the mode where its timing is tightest.
 
 usage: e2e.py --agent A --train T [--data DIR] [--seed S] [--chaos-seed S]
               [--device cpu|cuda] SCENARIO[:MODE]... | all | core | gpu | chaos
+              | core-contended | gpu-contended
 Exit 0 when every scenario passes, 77 when all were skipped, else 1.
 """
 import argparse
@@ -661,6 +664,9 @@ GPU_CORE = ["agent_kill:inplace", "agent_kill:restart", "scale_up:inplace", "sca
             "hot_spare:inplace", "hot_spare:restart"]
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
         "scale_up:restart", "etcd_pause:inplace", "hung_worker:inplace"]
+CORE_CONTENDED = ["worker_kill:inplace", "agent_kill:restart", "scale_up:inplace",
+                  "etcd_pause:inplace", "hung_worker:inplace"]
+GPU_CONTENDED = ["agent_kill:inplace", "scale_up:restart", "hot_spare:inplace"]
 
 
 class Env:
@@ -711,6 +717,10 @@ def main():
             cases += CORE
         elif c == "gpu":
             cases += GPU_CORE
+        elif c == "core-contended":
+            cases += CORE_CONTENDED
+        elif c == "gpu-contended":
+            cases += GPU_CONTENDED
         elif c == "all":
             cases += ["%s:%s" % (k, m) for k, (_, modes) in SCENARIOS.items() for m in modes]
         else:
