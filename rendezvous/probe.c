@@ -14,6 +14,13 @@
  * keep-alive: it answers while the process lives, whatever its main loop
  * is doing. It listens on the wildcard address of the node address's
  * family, on a port the kernel picks.
+ *
+ * The responder keeps each connection open after its line until the
+ * prober closes it (up to PROBE_HELD_MAX at once; past that it closes at
+ * once, as a one-shot probe needs no more). A peer's sentinel
+ * (rdzv_sentinel.c) holds one: when this process dies the kernel closes
+ * it, and the peer learns of the death at once instead of a lease TTL
+ * later.
  */
 #include "rdzv_internal.h"
 
@@ -36,6 +43,7 @@
 #include <unistd.h>
 
 #define PROBE_LINE_MAX (RDZV_NODE_ID_MAX + 64)
+#define PROBE_HELD_MAX 32
 
 struct rdzv_probe {
     int lfd, stopfd;
@@ -51,27 +59,46 @@ static int probe_line(char *buf, size_t len, const char *node, int64_t inc)
     return snprintf(buf, len, "ductile-probe %s %" PRId64 "\n", node, inc);
 }
 
-/* Answers every connection with this incarnation's line and closes it; a
- * prober that does not read in time loses the line, never this thread. */
+/* Answers every connection with this incarnation's line and holds it
+ * until the prober closes it (or closes it at once when PROBE_HELD_MAX are
+ * held); a prober that does not read in time loses the line, never this
+ * thread. */
 static void *responder_main(void *arg)
 {
     rdzv_probe *p = arg;
+    struct pollfd fds[2 + PROBE_HELD_MAX];
+    int held = 0;
+    fds[0] = (struct pollfd){.fd = p->lfd, .events = POLLIN};
+    fds[1] = (struct pollfd){.fd = p->stopfd, .events = POLLIN};
     for (;;) {
-        struct pollfd fds[2] = {{.fd = p->lfd, .events = POLLIN},
-                                {.fd = p->stopfd, .events = POLLIN}};
-        if (poll(fds, 2, -1) < 0) {
+        if (poll(fds, (nfds_t)(2 + held), -1) < 0) {
             if (errno == EINTR) continue;
             break;
         }
         if (fds[1].revents) break;
+        /* A held connection that is readable or hung up: its prober is done
+         * (it never sends; whatever it sent is discarded with it). */
+        for (int i = 0; i < held;) {
+            if (fds[2 + i].revents) {
+                close(fds[2 + i].fd);
+                fds[2 + i] = fds[2 + --held];
+            } else {
+                i++;
+            }
+        }
+        if (!(fds[0].revents & POLLIN)) continue;
         int c = accept4(p->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (c < 0) continue; /* gone before accepted, or out of fds: the prober times out */
         char line[PROBE_LINE_MAX];
         int n = probe_line(line, sizeof(line), p->node, atomic_load(&p->incarnation));
         ssize_t w = send(c, line, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
-        (void)w;
-        close(c);
+        if (w == n && held < PROBE_HELD_MAX)
+            fds[2 + held++] = (struct pollfd){.fd = c, .events = POLLIN};
+        else
+            close(c);
     }
+    for (int i = 0; i < held; i++)
+        close(fds[2 + i].fd);
     return NULL;
 }
 
@@ -222,39 +249,52 @@ static int probe_read_line(int fd, char *buf, size_t len, int64_t deadline)
     return (int)strlen(buf);
 }
 
-rdzv_probe_verdict rdzv_probe_check(const char *addr, int port, const char *node, int64_t inc,
-                                    int timeout_ms, char *why, size_t len)
+int rdzv_probe_hold(const char *addr, int port, const char *node, int64_t inc, int timeout_ms,
+                    rdzv_probe_verdict *verdict, char *why, size_t len)
 {
+    *verdict = RDZV_PROBE_UNKNOWN;
     const char *fp = failpoint("rdzv.probe");
     if (fp && strcmp(fp, "dead") == 0) {
         snprintf(why, len, "failpoint rdzv.probe=dead");
-        return RDZV_PROBE_DEAD;
+        *verdict = RDZV_PROBE_DEAD;
+        return -1;
     }
     if (!addr || !*addr || port <= 0 || port > 65535) {
         snprintf(why, len, "it names no liveness probe");
-        return RDZV_PROBE_UNKNOWN;
+        return -1;
     }
     int64_t deadline = mono_now_ms() + timeout_ms;
-    rdzv_probe_verdict v;
-    int fd = probe_connect(addr, port, deadline, &v, why, len);
-    if (fd < 0) return v;
+    int fd = probe_connect(addr, port, deadline, verdict, why, len);
+    if (fd < 0) return -1;
     char line[PROBE_LINE_MAX], want[PROBE_LINE_MAX];
     int n = probe_read_line(fd, line, sizeof(line), deadline);
-    close(fd);
     if (n < 0) {
+        close(fd);
         snprintf(why, len, "no answer from %.100s:%d within %d ms", addr, port, timeout_ms);
-        return RDZV_PROBE_UNKNOWN;
+        return -1;
     }
     probe_line(want, sizeof(want), node, inc);
     want[strlen(want) - 1] = '\0';
     if (strcmp(line, want) == 0) {
         snprintf(why, len, "incarnation %" PRId64 " answers at %.100s:%d", inc, addr, port);
-        return RDZV_PROBE_ALIVE;
+        *verdict = RDZV_PROBE_ALIVE;
+        return fd;
     }
+    close(fd);
     if (n == 0)
         snprintf(why, len, "%.100s:%d closed without an answer", addr, port);
     else
         snprintf(why, len, "%.100s:%d answers \"%.100s\", not incarnation %" PRId64, addr, port,
                  line, inc);
-    return RDZV_PROBE_DEAD;
+    *verdict = RDZV_PROBE_DEAD;
+    return -1;
+}
+
+rdzv_probe_verdict rdzv_probe_check(const char *addr, int port, const char *node, int64_t inc,
+                                    int timeout_ms, char *why, size_t len)
+{
+    rdzv_probe_verdict v;
+    int fd = rdzv_probe_hold(addr, port, node, inc, timeout_ms, &v, why, len);
+    if (fd >= 0) close(fd);
+    return v;
 }

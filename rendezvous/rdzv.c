@@ -14,6 +14,9 @@
  *   probe.c         the registration's liveness probe: a responder thread,
  *                   and the prober rdzv_open asks before taking over a
  *                   registration of its node id from a dead incarnation
+ *   rdzv_suspect.c  whether a member's agent is gone (a worker's exit)
+ *   rdzv_sentinel.c the sentinel thread: the next members' probe
+ *                   connections held, a closed one checked at once
  */
 #include "rdzv_internal.h"
 
@@ -45,6 +48,8 @@ void rdzv_emit(rdzv *r, rdzv_event *ev)
         rdzv_event_free(ev);
         return;
     }
+    /* The sentinel watches the round this node is in, and nothing else. */
+    rdzv_sentinel_watch(r->sentinel, ev->type == RDZV_EV_FROZEN ? &ev->round : NULL);
     n->ev = *ev;
     pthread_mutex_lock(&r->ev_mu);
     if (r->ev_tail)
@@ -149,6 +154,7 @@ static void rdzv_free(rdzv *r)
         free(n);
     }
     if (r->efd >= 0) close(r->efd);
+    rdzv_sentinel_free(r);
     rdzv_probe_stop(r->probe);
     free(r->round_cache);
     for (size_t i = 0; i < sizeof(r->strs) / sizeof(r->strs[0]); i++)
@@ -456,6 +462,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
         snprintf(msg, RDZV_MSG_MAX, "cannot start watch threads");
         goto err_threads;
     }
+    if ((err = rdzv_sentinel_start(r)) != RDZV_OK) goto err_threads;
     r->seek_start_ms = mono_now_ms();
     r->deadline_ms = r->seek_start_ms + r->cfg.join_timeout_ms;
     if (pthread_create(&r->keepalive, NULL, rdzv_keepalive_main, r) != 0) {
@@ -478,6 +485,7 @@ err_threads:
     pthread_mutex_unlock(&r->mu);
     if (r->keepalive_started) pthread_join(r->keepalive, NULL);
     rdzv_watchers_join(r);
+    rdzv_sentinel_stop(r);
 err_lease:
     etcd_lease_revoke(r->api, r->lease);
 err:
@@ -495,6 +503,7 @@ static void stop_threads(rdzv *r)
     if (r->keepalive_started) pthread_join(r->keepalive, NULL);
     r->driver_started = r->keepalive_started = 0;
     rdzv_watchers_join(r);
+    rdzv_sentinel_stop(r);
 }
 
 rdzv_err rdzv_leave(rdzv *r)

@@ -100,9 +100,10 @@ enum {
     RDZV_TAG_RESYNC = 16,
 };
 
-typedef struct rdzv_watcher rdzv_watcher; /* rdzv_watch.c */
-typedef struct rdzv_probe rdzv_probe;     /* probe.c */
-typedef struct rdzv_ev_node rdzv_ev_node; /* rdzv.c */
+typedef struct rdzv_watcher rdzv_watcher;   /* rdzv_watch.c */
+typedef struct rdzv_probe rdzv_probe;       /* probe.c */
+typedef struct rdzv_sentinel rdzv_sentinel; /* rdzv_sentinel.c */
+typedef struct rdzv_ev_node rdzv_ev_node;   /* rdzv.c */
 
 struct rdzv {
     /* configuration, deep-copied */
@@ -120,7 +121,8 @@ struct rdzv {
     int64_t incarnation; /* of this node's registration (1, or one more than the one taken over) */
     int took_over;       /* the registration was taken over from a dead incarnation */
     rdzv_probe *probe;   /* the liveness responder; NULL when the address has none */
-    int closed;          /* left: written under api_mu and mu, read under either */
+    rdzv_sentinel *sentinel; /* holds the next members' probe connections */
+    int closed;              /* left: written under api_mu and mu, read under either */
 
     /* events to the caller */
     pthread_mutex_t ev_mu;
@@ -212,6 +214,26 @@ void rdzv_probe_stop(rdzv_probe *p);
  * unreachable, no probe). why receives a one-line reason. */
 rdzv_probe_verdict rdzv_probe_check(const char *addr, int port, const char *node, int64_t inc,
                                     int timeout_ms, char *why, size_t len);
+/* The same check, keeping the connection: the socket when ALIVE (the
+ * responder holds it open until this side closes it, so its end means the
+ * responder's process ended), else -1 with *verdict and why set. */
+int rdzv_probe_hold(const char *addr, int port, const char *node, int64_t inc, int timeout_ms,
+                    rdzv_probe_verdict *verdict, char *why, size_t len);
+
+/* rdzv_suspect.c: 1 when node's agent is gone (rdzv_check_members' test,
+ * before deadline), its lease then revoked; why says how it was judged. */
+int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, char *why, size_t len);
+
+/* rdzv_sentinel.c: each member watches the next RDZV_SENTINEL_PEERS
+ * members' agents over a held probe connection; one that closes is checked
+ * at once (rdzv_check_members). */
+#define RDZV_SENTINEL_PEERS 2
+rdzv_err rdzv_sentinel_start(rdzv *r);
+/* Watches round's next members after this node (NULL or a round without
+ * it: none). */
+void rdzv_sentinel_watch(rdzv_sentinel *s, const rdzv_round *round);
+void rdzv_sentinel_stop(rdzv *r); /* joins the thread; again: nothing */
+void rdzv_sentinel_free(rdzv *r);
 
 /* rdzv_watch.c: what wakes the driver. */
 /* Waits on r->cv until until_ms (0: forever) or stop; returns 1 on stop.

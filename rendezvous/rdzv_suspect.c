@@ -46,6 +46,20 @@ static int member_gone(rdzv *r, const char *node, int64_t deadline, int64_t *lea
     return v == RDZV_PROBE_DEAD;
 }
 
+int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, char *why, size_t len)
+{
+    int64_t lease;
+    if (!member_gone(r, node, deadline, &lease, why, len)) return 0;
+    if (lease) {
+        pthread_mutex_lock(&r->rep_mu);
+        etcd_err e = etcd_lease_revoke(r->rep, lease);
+        pthread_mutex_unlock(&r->rep_mu);
+        dlog_debug(&r->log, NULL, "member %s is gone (%s): lease %lld revoked: %s", node, why,
+                   (long long)lease, etcd_strerror(e));
+    }
+    return 1;
+}
+
 rdzv_err rdzv_check_members(rdzv *r, const char *const *nodes, int n, int timeout_ms, int *gone,
                             char *names, size_t len)
 {
@@ -58,20 +72,12 @@ rdzv_err rdzv_check_members(rdzv *r, const char *const *nodes, int n, int timeou
     int64_t deadline = mono_now_ms() + timeout_ms;
     size_t used = 0;
     for (int i = 0; i < n; i++) {
-        const char *node = nodes[i];
-        int64_t lease;
         char why[RDZV_MSG_MAX] = "";
-        if (!member_gone(r, node, deadline, &lease, why, sizeof(why))) continue;
+        if (!rdzv_check_member(r, nodes[i], deadline, why, sizeof(why))) continue;
         (*gone)++;
-        if (lease) {
-            pthread_mutex_lock(&r->rep_mu);
-            etcd_err e = etcd_lease_revoke(r->rep, lease);
-            pthread_mutex_unlock(&r->rep_mu);
-            dlog_debug(&r->log, NULL, "member %s is gone (%s): lease %lld revoked: %s", node, why,
-                       (long long)lease, etcd_strerror(e));
-        }
         if (names && used < len) {
-            int w = snprintf(names + used, len - used, "%s%s (%s)", used ? ", " : "", node, why);
+            int w =
+                snprintf(names + used, len - used, "%s%s (%s)", used ? ", " : "", nodes[i], why);
             if (w > 0) used += (size_t)w;
         }
     }

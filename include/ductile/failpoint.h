@@ -29,6 +29,11 @@
  *                    incarnation of its node id (rdzv_open); ACTION dead:
  *                    judge it dead without asking, as a firewall that
  *                    rejects the probe would (the worst wrong verdict).
+ *   rdzv.sentinel    each round the sentinel would watch (rdzv_sentinel.c);
+ *                    ACTION off: it watches no member in that round, so
+ *                    a dead member is found by other means (a takeover,
+ *                    a worker's exit, its lease), as when its watchers
+ *                    died with it.
  *   ring.connect     a ring bootstrap of world >= 2 (the first and every
  *                    rebuild); ACTION fail: it fails at once with a timeout,
  *                    as if the left neighbour never connected, and publishes

@@ -272,11 +272,18 @@ def case_env_and_finish(job):
     check(len(job.workers()) == 6, "late agent started no worker")
 
 
-def kill_case(job, ttl, mesh):
+# The sentinels off (failpoint): each agent watches its next members' agents
+# and revokes a dead one's lease at once (case_sigkill_pod); a test of what
+# else finds a dead pod (its lease, its peers' workers, a takeover) turns
+# them off, as when a pod's watchers died with it.
+SENTINEL_OFF = {"DUCTILE_FAILPOINTS": "rdzv.sentinel=1+:off"}
+
+
+def kill_case(job, ttl, mesh, sentinel=True):
     # No restart budget: losing a pod is a membership change, not a failure.
     job.flags += ["--lease-ttl", str(ttl), "--last-call", "0.5", "--stop-grace", "2",
                   "--nnodes", "2:3", "--max-restarts", "0"]
-    env = {"AGENT_TEST_MESH": "1"} if mesh else None
+    env = dict({"AGENT_TEST_MESH": "1"} if mesh else {}, **({} if sentinel else SENTINEL_OFF))
     a, b, c = (job.start(n, env=env) for n in ("node-a", "node-b", "node-c"))
     rnd = job.wait_round(3, 60)
     time.sleep(0.5)
@@ -296,11 +303,27 @@ def kill_case(job, ttl, mesh):
     return took
 
 
+def case_sigkill_pod(job):
+    """A pod lost (its agent and worker SIGKILLed) under workers that never
+    notice: the survivors' agents watch the dead one's agent (its probe
+    connection closes with its process), find it gone and revoke its lease,
+    and the new round forms long before its 30 s lease TTL, with no restart
+    counted."""
+    ttl = 30
+    took = kill_case(job, ttl, mesh=False)
+    # Half the TTL: the dead lease's last keep-alive came before the kill.
+    check(took < ttl / 2, "new round after %.1f s; the lease TTL is %d s" % (took, ttl))
+    logs = job.agents[0].log() + job.agents[1].log()
+    check(re.search(r"member node-c is gone \(its agent's connection closed; .*\): its lease "
+                    r"is revoked", logs), "a sentinel found node-c gone:\n" + logs)
+    check("restart limit" not in logs and job_restarts(job) == 0, "no restart counted")
+
+
 def case_sigkill_mesh(job):
     # A long TTL: the new round can only come this fast because the survivors'
     # workers saw their peer go and the failure ended the round.
     ttl = 30
-    took = kill_case(job, ttl, mesh=True)
+    took = kill_case(job, ttl, mesh=True, sentinel=False)
     check(took < ttl, "new round after %.1f s, not before the %d s lease TTL" % (took, ttl))
     a = job.agents[0]
     check(re.search(r"round \d+ ended: peer lost on node-[ab]: worker rank \d+ lost a peer",
@@ -318,7 +341,7 @@ def case_sigkill_script(job):
     ttl = 30
     job.flags += ["--lease-ttl", str(ttl), "--stop-grace", "2", "--nnodes", "2:3",
                   "--max-restarts", "0"]
-    env = {"AGENT_TEST_MESH": "1", "AGENT_TEST_MESH_EXIT": "1"}
+    env = dict(SENTINEL_OFF, AGENT_TEST_MESH="1", AGENT_TEST_MESH_EXIT="1")
     a, b, c = (job.start(n, env=env) for n in ("node-a", "node-b", "node-c"))
     rnd = job.wait_round(3, 60)
     time.sleep(0.5)
@@ -345,7 +368,7 @@ def case_sigkill_script(job):
 
 def case_sigkill_ttl(job):
     ttl = 3
-    took = kill_case(job, ttl, mesh=False)
+    took = kill_case(job, ttl, mesh=False, sentinel=False)
     check(took < ttl + 20, "new round after %.1f s, TTL %d s" % (took, ttl))
     check("node-c lost" in job.agents[0].log(), "the cause names node-c: " + job.agents[0].log())
 
@@ -780,7 +803,7 @@ def case_restart_rejoins(job):
     takes it over and revokes the old lease; the next round lists the node under the
     new lease, in its old rank, long before the old lease's TTL."""
     job.flags += TAKEOVER
-    a, b = job.start("node-a"), job.start("node-b")
+    a, b = job.start("node-a", env=SENTINEL_OFF), job.start("node-b")
     r1 = job.wait_round(2, 60)
     rank_b = {int(w["GROUP_RANK"]) for w in workers_of(job, b)}
     reg, old = etcd_value(job, "nodes/node-b")

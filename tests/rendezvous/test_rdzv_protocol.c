@@ -237,6 +237,41 @@ static int sc_kill(tp_set *s)
     return rc;
 }
 
+/* A member killed (its pod gone: the process and its sockets) is seen at
+ * once by the members that watch it (rdzv_sentinel.c), not a lease TTL
+ * later: the TTL is 60 s, the bound 30 s. A member that is stopped
+ * (SIGSTOP: alive, silent, its sockets open) is not cut off: the round
+ * goes on, and it is still in it when it wakes. */
+static int sc_sentinel(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "sentinel");
+    char(*lines)[LINE] = lines_alloc();
+    char line[LINE];
+    int ids[4];
+    const char *opts = "--min 2 --max 4 --ttl 60 --last-call-ms 300 --addr 127.0.0.1";
+    if (start_round(s, 4, opts, ids, lines) != 0) return 1;
+    int victim = holder(lines, 4, 1);
+    CHECK_OR_RETURN(victim >= 0, "no rank 1");
+    double t0 = mono_now_s();
+    tp_kill(s, ids[victim], SIGKILL);
+    if (expect_survivors(s, ids, 4, victim, "member_lost", lines, t0, 30.0) != 0) return 1;
+    int rest[3], m = 0;
+    for (int k = 0; k < 4; k++)
+        if (k != victim) rest[m++] = ids[k];
+    tp_kill(s, rest[0], SIGSTOP);
+    for (int k = 1; k < m; k++)
+        CHECK_OR_RETURN(tp_expect(s, rest[k], "ENDED", 3000, line, sizeof(line)) != 0,
+                        "a stopped member was cut off: %s", line);
+    tp_kill(s, rest[0], SIGCONT);
+    tp_drain(s, 1000);
+    for (int k = 0; k < m; k++) {
+        CHECK_OR_RETURN(tp_expect(s, rest[k], "ENDED", 1, line, sizeof(line)) != 0, "%s", line);
+        CHECK_OR_RETURN(tp_expect(s, rest[k], "ERROR", 1, line, sizeof(line)) != 0, "%s", line);
+    }
+    free(lines);
+    return 0;
+}
+
 static int sc_leave(tp_set *s)
 {
     snprintf(s->job, sizeof(s->job), "leave");
@@ -508,13 +543,17 @@ static int frozen_lines(tp_set *s, int i)
  * (refused: dead), takes the registration over and revokes the old lease;
  * the others see the member under another lease and the next round holds
  * the new incarnation, in the old rank. The TTL is 30 s: the old lease was
- * alive when the new one came, and is gone because it was revoked. */
+ * alive when the new one came, and is gone because it was revoked. The
+ * sentinels are off (failpoint), as when the dead node's watchers died
+ * with it: they would revoke the old lease first, and the new one would
+ * find no registration to take over. */
 static int sc_restart(tp_set *s)
 {
     snprintf(s->job, sizeof(s->job), "restart");
     char(*lines)[LINE] = lines_alloc();
     char line[LINE], members[LINE], now[LINE];
-    const char *opts = "--min 3 --max 3 --ttl 30 --last-call-ms 300 --addr 127.0.0.1";
+    const char *opts = "--min 3 --max 3 --ttl 30 --last-call-ms 300 --addr 127.0.0.1 "
+                       "--failpoints rdzv.sentinel=1+:off";
     int ids[3];
     if (start_round(s, 3, opts, ids, lines) != 0) return 1;
     long long round = tp_ifield(lines[0], "round");
@@ -643,19 +682,13 @@ static int sc_errors(tp_set *s)
 int main(int argc, char **argv)
 {
     static const tp_scenario scenarios[] = {
-        {"form", sc_form},
-        {"kill", sc_kill},
-        {"leave", sc_leave},
-        {"waiting", sc_waiting},
-        {"failure", sc_failure},
-        {"finish", sc_finish},
-        {"etcd-restart", sc_etcd_restart},
-        {"takeover", sc_takeover},
-        {"restart", sc_restart},
-        {"twin", sc_twin},
-        {"stall", sc_stall},
-        {"all-dead", sc_all_dead},
-        {"errors", sc_errors},
+        {"form", sc_form},         {"kill", sc_kill},
+        {"sentinel", sc_sentinel}, {"leave", sc_leave},
+        {"waiting", sc_waiting},   {"failure", sc_failure},
+        {"finish", sc_finish},     {"etcd-restart", sc_etcd_restart},
+        {"takeover", sc_takeover}, {"restart", sc_restart},
+        {"twin", sc_twin},         {"stall", sc_stall},
+        {"all-dead", sc_all_dead}, {"errors", sc_errors},
     };
     return tp_main(argc, argv, RDZV_PARTICIPANT, scenarios,
                    sizeof(scenarios) / sizeof(scenarios[0]));
