@@ -360,7 +360,7 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
         const etcd_kv *kv = find_kv(s->nodes, key);
         if (!kv)
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LOST, m->node,
-                             "node %s lost (its lease ended)", m->node);
+                             "node %s lost (its lease ended or was revoked)", m->node);
         if (kv->lease != m->lease)
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LOST, m->node,
                              "node %s restarted (registered again under a new lease)", m->node);
