@@ -7,7 +7,9 @@
  * on a queue whose eventfd the caller polls, so an agent keeps one poll()
  * loop. The work is split along the threads:
  *
- *   rdzv.c          the handle, on the caller's thread; events to the caller
+ *   rdzv.c          the handle, on the caller's thread
+ *   rdzv_events.c   the events to the caller, queued by any thread
+ *   rdzv_keys.c     the job's keys the handle, driver and reports share
  *   rdzv_driver.c   the driver thread: one protocol step per snapshot
  *   rdzv_watch.c    what wakes the driver: watch threads and the keep-alive
  *   rdzv_report.c   failures and the end of the job (caller's thread)
@@ -26,89 +28,11 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
-
-struct rdzv_ev_node {
-    rdzv_event ev;
-    rdzv_ev_node *next;
-};
-
-/* ---- events to the caller ---- */
-
-/* Queues ev (taking its round) for the caller. */
-void rdzv_emit(rdzv *r, rdzv_event *ev)
-{
-    rdzv_ev_node *n = calloc(1, sizeof(*n));
-    if (!n) { /* nothing sensible to do; the caller's deadlines still hold */
-        rdzv_event_free(ev);
-        return;
-    }
-    /* The sentinel watches the round this node is in, and nothing else. */
-    rdzv_sentinel_watch(r->sentinel, ev->type == RDZV_EV_FROZEN ? &ev->round : NULL);
-    n->ev = *ev;
-    pthread_mutex_lock(&r->ev_mu);
-    if (r->ev_tail)
-        r->ev_tail->next = n;
-    else
-        r->ev_head = n;
-    r->ev_tail = n;
-    uint64_t one = 1;
-    ssize_t w = write(r->efd, &one, sizeof(one));
-    (void)w;
-    pthread_mutex_unlock(&r->ev_mu);
-}
-
-void rdzv_emit_simple(rdzv *r, rdzv_event_type type, rdzv_err err, const char *fmt, ...)
-{
-    rdzv_event ev;
-    memset(&ev, 0, sizeof(ev));
-    ev.type = type;
-    ev.err = err;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(ev.reason, sizeof(ev.reason), fmt, ap);
-    va_end(ap);
-    rdzv_emit(r, &ev);
-}
-
-int rdzv_fd(const rdzv *r)
-{
-    return r->efd;
-}
-
-rdzv_err rdzv_next_event(rdzv *r, int timeout_ms, rdzv_event *ev)
-{
-    if (!r || !ev) return RDZV_ERR_ARG;
-    if (timeout_ms > 0) {
-        struct pollfd p = {.fd = r->efd, .events = POLLIN};
-        while (poll(&p, 1, timeout_ms) < 0 && errno == EINTR) {
-        }
-    }
-    pthread_mutex_lock(&r->ev_mu);
-    rdzv_ev_node *n = r->ev_head;
-    if (n) {
-        r->ev_head = n->next;
-        if (!r->ev_head) r->ev_tail = NULL;
-        uint64_t v;
-        ssize_t rd = read(r->efd, &v, sizeof(v));
-        (void)rd;
-    }
-    pthread_mutex_unlock(&r->ev_mu);
-    if (!n) return RDZV_ERR_TIMEOUT;
-    *ev = n->ev;
-    free(n);
-    return RDZV_OK;
-}
-
-void rdzv_event_free(rdzv_event *ev)
-{
-    if (ev) rdzv_round_free(&ev->round);
-}
 
 /* ---- open / close ---- */
 
@@ -147,12 +71,7 @@ static void rdzv_free(rdzv *r)
     etcd_client_free(r->rep);
     etcd_client_free(r->dc);
     etcd_client_free(r->kac);
-    while (r->ev_head) {
-        rdzv_ev_node *n = r->ev_head;
-        r->ev_head = n->next;
-        rdzv_event_free(&n->ev);
-        free(n);
-    }
+    rdzv_events_free(r);
     if (r->efd >= 0) close(r->efd);
     rdzv_sentinel_free(r);
     rdzv_probe_stop(r->probe);
@@ -234,20 +153,6 @@ static rdzv_err check_job_limits(rdzv *r, char *msg)
 }
 
 /* ---- registration: create, or take over from a dead incarnation ---- */
-
-void rdzv_reg_parse(const etcd_kv *kv, rdzv_reg *out)
-{
-    memset(out, 0, sizeof(*out));
-    cJSON *o = cJSON_ParseWithLength(kv->value, kv->value_len);
-    const cJSON *addr = cJSON_GetObjectItemCaseSensitive(o, "addr");
-    const cJSON *inc = cJSON_GetObjectItemCaseSensitive(o, "inc");
-    const cJSON *probe = cJSON_GetObjectItemCaseSensitive(o, "probe");
-    if (cJSON_IsString(addr)) snprintf(out->addr, sizeof(out->addr), "%s", addr->valuestring);
-    if (cJSON_IsNumber(inc) && inc->valuedouble >= 1 && inc->valuedouble < 9e15)
-        out->inc = (int64_t)inc->valuedouble;
-    if (cJSON_IsNumber(probe)) out->probe = probe->valueint;
-    cJSON_Delete(o);
-}
 
 /* Puts this node's registration in place of kv, in one txn guarded by kv's
  * mod_revision, then revokes kv's lease: its waiting and join keys go with

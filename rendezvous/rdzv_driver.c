@@ -11,9 +11,9 @@
  * starts from etcd's state rather than from the events, a lost event or an
  * etcd restart costs a re-read, never a wrong belief.
  *
- * The reads and writes of the round record here are shared with the
- * caller's thread (rdzv.c, rdzv_report.c), which makes the same guarded
- * writes on its own connection.
+ * The reads and writes of the job's keys it shares with the caller's
+ * thread are in rdzv_keys.c, and the events it sends in rdzv_events.c: it
+ * calls nothing of the handle's file (rdzv.c).
  */
 #include "rdzv_internal.h"
 
@@ -57,24 +57,6 @@ static const char *key_suffix(const char *key)
 {
     const char *s = strrchr(key, '/');
     return s ? s + 1 : key;
-}
-
-rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod, int *have)
-{
-    char key[RDZV_KEY_MAX];
-    rdzv_key(key, sizeof(key), r->cfg.job, "round");
-    etcd_kv kv;
-    etcd_err e = etcd_get(c, key, &kv);
-    if (e == ETCD_ERR_NOT_FOUND) {
-        *have = 0;
-        return RDZV_OK;
-    }
-    if (e != ETCD_OK) return RDZV_ERR_ETCD;
-    rdzv_err err = rdzv_record_parse(kv.value, kv.value_len, rec);
-    *mod = kv.mod_revision;
-    etcd_kv_free(&kv);
-    *have = err == RDZV_OK;
-    return err;
 }
 
 /* The snapshot a step needs, read in one txn guarded by the round record's
@@ -123,112 +105,6 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
         s->registered = s->txn.ranges[2].count;
     }
     s->revision = s->txn.revision;
-    return RDZV_OK;
-}
-
-/* ---- writes (each a txn guarded by the record's mod_revision) ---- */
-
-rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
-                         int bump_epoch, const char *state_json, int *won)
-{
-    char round[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], stale[RDZV_KEY_MAX], restarts[RDZV_KEY_MAX],
-        state[RDZV_KEY_MAX];
-    rdzv_key(round, sizeof(round), r->cfg.job, "round");
-    rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
-    rdzv_key(restarts, sizeof(restarts), r->cfg.job, "restarts");
-    rdzv_key(state, sizeof(state), r->cfg.job, "state");
-    /* Keys of round N-2 (relative to the new round N) are garbage by now:
-     * no agent and no trainer of the last two rounds reads them. */
-    rdzv_key(stale, sizeof(stale), r->cfg.job, "rounds/%lld/", (long long)(next->number - 2));
-    char *json = rdzv_record_json(next);
-    if (!json) return RDZV_ERR_NOMEM;
-    char num[32], rs[32];
-    snprintf(num, sizeof(num), "%lld", (long long)next->number);
-    snprintf(rs, sizeof(rs), "%lld", (long long)next->restarts);
-    etcd_cmp cmp = {.key = round,
-                    .target = mod ? ETCD_CMP_MOD : ETCD_CMP_VERSION,
-                    .op = ETCD_CMP_EQUAL,
-                    .number = mod};
-    etcd_op ops[5];
-    size_t n = 0;
-    ops[n++] =
-        (etcd_op){.type = ETCD_OP_PUT, .key = round, .value = json, .value_len = strlen(json)};
-    ops[n++] =
-        (etcd_op){.type = ETCD_OP_PUT, .key = restarts, .value = rs, .value_len = strlen(rs)};
-    if (bump_epoch) {
-        ops[n++] =
-            (etcd_op){.type = ETCD_OP_PUT, .key = epoch, .value = num, .value_len = strlen(num)};
-        if (next->number > 2)
-            ops[n++] = (etcd_op){.type = ETCD_OP_DELETE, .key = stale, .prefix = 1};
-    }
-    if (state_json)
-        ops[n++] = (etcd_op){.type = ETCD_OP_PUT,
-                             .key = state,
-                             .value = state_json,
-                             .value_len = strlen(state_json)};
-    etcd_txn_result res;
-    etcd_err e = etcd_txn(c, &cmp, 1, ops, n, NULL, 0, &res);
-    free(json);
-    if (e != ETCD_OK) return RDZV_ERR_ETCD;
-    *won = res.succeeded;
-    etcd_txn_result_free(&res);
-    return RDZV_OK;
-}
-
-char *rdzv_state_json(const char *state, const char *reason)
-{
-    cJSON *o = cJSON_CreateObject();
-    if (!o) return NULL;
-    cJSON_AddStringToObject(o, "state", state);
-    cJSON_AddStringToObject(o, "reason", reason ? reason : "");
-    char *s = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    return s;
-}
-
-char *rdzv_node_value(const rdzv *r)
-{
-    char *val = NULL;
-    cJSON *o = cJSON_CreateObject();
-    if (o) {
-        cJSON_AddStringToObject(o, "addr", r->cfg.addr);
-        cJSON_AddNumberToObject(o, "lws", r->cfg.local_world_size);
-        cJSON_AddNumberToObject(o, "inc", (double)r->incarnation);
-        cJSON_AddNumberToObject(o, "probe", rdzv_probe_port(r->probe));
-        val = cJSON_PrintUnformatted(o);
-        cJSON_Delete(o);
-    }
-    return val;
-}
-
-rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                            const etcd_op *also, int *won, int64_t *revision)
-{
-    char *val = rdzv_node_value(r);
-    if (!val) return RDZV_ERR_NOMEM;
-    etcd_cmp cmps[2];
-    size_t ncmps = 0;
-    if (guard) cmps[ncmps++] = *guard;
-    cmps[ncmps++] =
-        (etcd_cmp){.key = key, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL, .number = 0};
-    etcd_op ops[2] = {
-        {.type = ETCD_OP_PUT,
-         .key = key,
-         .value = val,
-         .value_len = strlen(val),
-         .lease = r->lease},
-    };
-    size_t nops = 1;
-    if (also) ops[nops++] = *also;
-    etcd_txn_result res, *out = won || revision ? &res : NULL;
-    etcd_err e = etcd_txn(c, cmps, ncmps, ops, nops, NULL, 0, out);
-    free(val);
-    if (e != ETCD_OK) return RDZV_ERR_ETCD;
-    if (out) {
-        if (won) *won = res.succeeded;
-        if (revision) *revision = res.revision;
-        etcd_txn_result_free(&res);
-    }
     return RDZV_OK;
 }
 

@@ -163,14 +163,17 @@ struct rdzv {
     char join_target[RDZV_KEY_MAX + 2];
 };
 
-/* rdzv.c: events to the caller. rdzv_emit takes ev's round. */
+/* rdzv_events.c: events to the caller. rdzv_emit takes ev's round. */
 void rdzv_emit(rdzv *r, rdzv_event *ev);
 void rdzv_emit_simple(rdzv *r, rdzv_event_type type, rdzv_err err, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+void rdzv_events_free(rdzv *r); /* the events never taken */
 
-/* rdzv_driver.c: the driver thread, and the reads and writes of the job's
- * keys that the caller's thread shares with it. */
+/* rdzv_driver.c: the driver thread. */
 void *rdzv_driver_main(void *arg);
+
+/* rdzv_keys.c: the reads and writes of the job's keys that the handle, the
+ * driver and the reports share, each on its own connection. */
 rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod, int *have);
 rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
                          int bump_epoch, const char *state_json, int *won);
