@@ -21,7 +21,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import CHART_DIR, SOURCE
+from conftest import CHART_DIR, EXAMPLE_JOBS, SOURCE
 
 DOCKER = SOURCE / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"]
@@ -313,3 +313,17 @@ def test_readme_recipe_installs_what_the_image_installs_for_the_agent(readme, tm
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, recipe + proc.stdout + proc.stderr
     assert seen == {"Dockerfile", "Dockerfile.cpu"}
+
+
+def test_example_jobs_name_images_the_readme_builds():
+    tags = set()
+    for block in code_blocks(SOURCE / "README.md"):
+        tags |= set(re.findall(r"^docker build .* -t REGISTRY/ductile:(\S+)", block, re.M))
+    assert {"0.1.0", "0.1.0-cpu", "0.1.0-pytorch", "0.1.0-pytorch-cuda"} <= tags, tags
+    used = set()
+    for path in EXAMPLE_JOBS:
+        tag = (yaml.safe_load(path.read_text()).get("image") or {}).get("tag")
+        if tag:
+            assert tag in tags, f"{path.name}: image tag {tag} is no image the README builds"
+            used.add(tag)
+    assert {"0.1.0-pytorch", "0.1.0-pytorch-cuda"} <= used
