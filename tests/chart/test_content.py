@@ -384,11 +384,13 @@ def test_service_monitor(render):
     assert not render().of_kind("ServiceMonitor")
 
 
-def test_pytorch_script_from_configmap(render):
-    r = render(JOBS / "pytorch-script.yaml")
+@pytest.mark.parametrize("job,backend", [("pytorch-script.yaml", "gloo"),
+                                         ("pytorch-cuda.yaml", "nccl")])
+def test_pytorch_script_from_configmap(render, job, backend):
+    r = render(JOBS / job)
     cm = r.one("ConfigMap", "-script")
     script = cm["data"]["train.py"]
-    assert 'init_process_group("gloo", init_method="env://")' in script
+    assert f'init_process_group("{backend}", init_method="env://"' in script
     compile(script, "train.py", "exec")  # the shipped script is valid Python
     assert by_name(r.agent()["volumeMounts"])["script"] == {
         "name": "script", "mountPath": "/opt/ductile/job", "readOnly": True}
@@ -404,6 +406,16 @@ def test_pytorch_script_from_configmap(render):
                             "script": {"content": "print(2)"}}})
     assert other.workers()["spec"]["template"]["metadata"]["annotations"]["checksum/script"] != \
         ann["checksum/script"]
+
+
+def test_pytorch_cuda_job_runs_a_script_per_gpu(render):
+    r = render(JOBS / "pytorch-cuda.yaml")
+    assert r.agent()["image"].endswith(":0.1.0-pytorch-cuda")
+    assert r.agent()["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert r.env()["DUCTILE_NPROC_PER_NODE"] == "8"
+    # Each process takes the GPU of its LOCAL_RANK, which the agent sets.
+    script = r.one("ConfigMap", "-script")["data"]["train.py"]
+    assert 'os.environ["LOCAL_RANK"]' in script and "torch.cuda.set_device" in script
 
 
 def test_notes_tell_watch_scale_remove(render):
