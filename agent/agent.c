@@ -728,7 +728,7 @@ static void on_event(agent *a, rdzv_event *ev)
         if (a->state == AGENT_SHUTDOWN) break;
         a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
                              : ev->err == RDZV_ERR_LEASE_LOST ? AGENT_EXIT_DROPPED
-                             : ev->err == RDZV_ERR_TIMEOUT    ? AGENT_EXIT_JOIN_TIMEOUT
+                             : ev->err == RDZV_ERR_TIMEOUT    ? AGENT_EXIT_NO_ROUND
                                                               : AGENT_EXIT_ERROR;
         if (workers_alive(a)) {
             a->state = AGENT_STOPPING;

@@ -19,20 +19,20 @@
 
 /* Exit codes: what a pod's end means (a Job's podFailurePolicy keys on them). */
 enum {
-    AGENT_EXIT_OK = 0,           /* the job completed, or this node left it cleanly (SIGTERM) */
-    AGENT_EXIT_ERROR = 1,        /* this agent failed (a worker failure it could not record, a
-                                    rendezvous error, etcd unreachable at start): counts */
-    AGENT_EXIT_USAGE = 2,        /* bad flags, environment or job limits: retrying cannot help */
-    AGENT_EXIT_JOB_FAILED = 3,   /* the job failed: its restart budget is spent */
-    AGENT_EXIT_DROPPED = 4,      /* this node was dropped through no fault of its own (its
-                                    lease ended and it could not register again): not a
-                                    failure of the pod */
-    AGENT_EXIT_LEFT = 5,         /* left a still-running job on SIGTERM, when
-                                    --leave-exit-code 5 asks (the chart's Job kind): the pod
-                                    is replaced, its index not complete */
-    AGENT_EXIT_JOIN_TIMEOUT = 6, /* no round could form within --join-timeout (too few nodes
-                                    came: waiting on the scheduler for capacity, not a failure
-                                    of this pod) */
+    AGENT_EXIT_OK = 0,         /* the job completed, or this node left it cleanly (SIGTERM) */
+    AGENT_EXIT_ERROR = 1,      /* this agent failed (a worker failure it could not record, a
+                                  rendezvous error, etcd unreachable at start): counts */
+    AGENT_EXIT_USAGE = 2,      /* bad flags, environment or job limits: retrying cannot help */
+    AGENT_EXIT_JOB_FAILED = 3, /* the job failed: its restart budget is spent */
+    AGENT_EXIT_DROPPED = 4,    /* this node was dropped through no fault of its own (its
+                                  lease ended and it could not register again): not a
+                                  failure of the pod */
+    AGENT_EXIT_LEFT = 5,       /* left a still-running job on SIGTERM, when
+                                  --leave-exit-code 5 asks (the chart's Job kind): the pod
+                                  is replaced, its index not complete */
+    AGENT_EXIT_NO_ROUND = 6,   /* no round could take this node within --join-timeout: too
+                                  few nodes came (the scheduler has placed only part of the
+                                  job). A wait, not a failure of the pod */
 };
 
 /* Runs this node of the job o describes until the job, or this node's part

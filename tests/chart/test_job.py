@@ -89,7 +89,7 @@ def test_exit_codes_of_the_policy_are_the_agents(render):
     assert fail_job[0]["onExitCodes"]["values"] == sorted([codes["USAGE"], codes["JOB_FAILED"]])
     ignored = [r["onExitCodes"]["values"] for r in rules
                if r["action"] == "Ignore" and "onExitCodes" in r]
-    assert ignored == [sorted([codes["DROPPED"], codes["LEFT"], codes["JOIN_TIMEOUT"]])]
+    assert ignored == [sorted([codes["DROPPED"], codes["LEFT"], codes["NO_ROUND"]])]
     # ... and the pods leave a running job with the code the policy ignores
     env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["DUCTILE_LEAVE_EXIT_CODE"] == str(codes["LEFT"])
@@ -105,7 +105,7 @@ def test_policy_maps_every_way_a_pod_ends(render):
         (codes["JOB_FAILED"], (), "FailJob"),  # the job's restart budget is spent
         (codes["DROPPED"], (), "Ignore"),     # etcd dropped the node, not its fault
         (codes["LEFT"], (), "Ignore"),        # deleted while training: replaced
-        (codes["JOIN_TIMEOUT"], (), "Ignore"),  # waited for peers: not a failure
+        (codes["NO_ROUND"], (), "Ignore"),  # waited for peers: not a failure
         (137, (), "Count"),                   # SIGKILL: OOM kill, a crash
         (139, (), "Count"),                   # SIGSEGV
         (143, disrupted, "Ignore"),           # preempted, evicted, drained
