@@ -716,6 +716,9 @@ static void on_event(agent *a, rdzv_event *ev)
         if (ev->type == RDZV_EV_ERROR && ev->err == RDZV_ERR_LEASE_LOST && rejoin(a, ev)) break;
         if (ev->type == RDZV_EV_JOB_FAILED)
             snprintf(a->why, sizeof(a->why), "job failed: %s", ev->reason);
+        else if (ev->err == RDZV_ERR_TIMEOUT)
+            snprintf(a->why, sizeof(a->why), "%s: too few nodes came (a wait, not a failure)",
+                     ev->reason);
         else
             snprintf(a->why, sizeof(a->why), "rendezvous error: %s: %s", rdzv_strerror(ev->err),
                      ev->reason);
@@ -725,6 +728,7 @@ static void on_event(agent *a, rdzv_event *ev)
         if (a->state == AGENT_SHUTDOWN) break;
         a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
                              : ev->err == RDZV_ERR_LEASE_LOST ? AGENT_EXIT_DROPPED
+                             : ev->err == RDZV_ERR_TIMEOUT    ? AGENT_EXIT_NO_ROUND
                                                               : AGENT_EXIT_ERROR;
         if (workers_alive(a)) {
             a->state = AGENT_STOPPING;

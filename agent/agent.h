@@ -30,6 +30,9 @@ enum {
     AGENT_EXIT_LEFT = 5,       /* left a still-running job on SIGTERM, when
                                   --leave-exit-code 5 asks (the chart's Job kind): the pod
                                   is replaced, its index not complete */
+    AGENT_EXIT_NO_ROUND = 6,   /* no round could take this node within --join-timeout: too
+                                  few nodes came (the scheduler has placed only part of the
+                                  job). A wait, not a failure of the pod */
 };
 
 /* Runs this node of the job o describes until the job, or this node's part

@@ -81,7 +81,8 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_LAST_CALL] = {"last-call", "DUCTILE_LAST_CALL", "SECONDS", "5",
                        "with MIN nodes joined, freeze this long after the last join"},
     [OPT_JOIN_TIMEOUT] = {"join-timeout", "DUCTILE_JOIN_TIMEOUT", "SECONDS", "600",
-                          "a round must form within this, else the agent exits 1"},
+                          "a round must form within this, else the agent exits 6 (too few "
+                          "nodes came: a wait, not a failure)"},
     [OPT_SHUTDOWN_TIMEOUT] = {"shutdown-timeout", "DUCTILE_SHUTDOWN_TIMEOUT", "SECONDS", "20",
                               "on SIGTERM/SIGINT: stop workers, leave and exit within this"},
     [OPT_STOP_GRACE] = {"stop-grace", "DUCTILE_STOP_GRACE", "SECONDS", "5",

@@ -512,6 +512,33 @@ def case_restart_limit(job):
     check(r2 > r1, "rounds grew")
 
 
+def case_join_timeout(job):
+    """Waiting is not failing: an agent that no round could take within
+    --join-timeout (too few nodes came, as when the scheduler has placed only
+    part of a job) exits 6, the code the chart's podFailurePolicy ignores,
+    with one line saying why; so does a survivor whose round lost a member
+    and that waits alone below --nnodes' minimum."""
+    flags = ["--lease-ttl", "3", "--last-call", "0.5", "--stop-grace", "2",
+             "--shutdown-timeout", "8", "--join-timeout", "2", "--max-restarts", "0"]
+    lone = job.start("node-a", flags=flags + ["--nnodes", "2"])
+    check(lone.wait_exit(30) == 6, "a lone agent of --nnodes 2 exits 6:\n" + lone.log())
+    last = lone.log().strip().splitlines()[-1]
+    check("exiting with code 6: no round froze within the join timeout" in last and
+          "too few nodes" in last,
+          "one line with the reason: %r" % last)
+    check(not job.workers(), "no worker started")
+    # A survivor: the round of two formed, one pod is lost, and no one comes.
+    b = job.start("node-b", flags=flags + ["--nnodes", "2"])
+    c = job.start("node-c", flags=flags + ["--nnodes", "2"])
+    job.wait_round(2, 60)
+    c.proc.kill()
+    check(b.wait_exit(40) == 6, "the survivor exits 6:\n" + b.log())
+    last = b.log().strip().splitlines()[-1]
+    check("exiting with code 6: no round froze within the join timeout" in last,
+          "why: %r" % last)
+    check(job_restarts(job) == 0, "no restart counted")
+
+
 def case_ignore_term(job):
     job.flags += FAST + ["--nnodes", "1:2", "--max-restarts", "3", "--stop-grace", "1"]
     a = job.start("node-a", env={"AGENT_TEST_IGNORE_TERM": "1"})

@@ -431,3 +431,71 @@ def test_index_only_node_ids_would_collide(render, workdir, cleanup):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class PendingPod:
+    """A pod the scheduler has not placed yet (no capacity, a gang not yet
+    complete): it runs nothing, so it can neither fail nor succeed, until
+    place() starts it."""
+
+    def __init__(self, rendered, index, workdir, cleanup):
+        self.args, self.cleanup = (rendered, index, workdir), cleanup
+        self.index, self.conditions, self.pod = index, (), None
+
+    def place(self):
+        self.pod = Pod(*self.args)
+        self.cleanup.append(self.pod)
+
+    def __getattr__(self, name):  # name, proc, log, delete, kill: the running pod's
+        if self.pod is None:
+            raise AttributeError(f"pending pod has no {name}")
+        return getattr(self.pod, name)
+
+    def poll(self):
+        return None if self.pod is None else self.pod.poll()
+
+    def delete(self):
+        if self.pod is not None:
+            self.pod.delete()
+
+
+def test_waiting_for_capacity_is_never_counted(render, workdir, cleanup):
+    """Only part of a job is scheduled: index 1 stays Pending. Index 0's
+    agent waits job.joinTimeout for a second node and exits 6, which the
+    podFailurePolicy ignores: the Job replaces the pod, uncounted, as often
+    as it takes, and the Pending pod counts towards nothing. Once index 1 is
+    placed, the round forms and the Job completes with no failure counted."""
+    # The join timeout outlasts the last call (1 s), so two pods can form a round.
+    values = job_values("contract-wait", replicas=2, joinTimeout=4)
+    values["workers"]["job"] = {"backoffLimit": 0}  # one counted failure would fail the Job
+    r = render(values)
+    pending = {}
+
+    def start_pod(index):
+        if index == 1 and not pending:
+            pending[1] = PendingPod(r, 1, workdir, cleanup)
+            return pending[1]
+        pod = Pod(r, index, workdir)
+        cleanup.append(pod)
+        return pod
+
+    ctl = IndexedJob(r.workers(), start_pod)
+    assert ctl.backoff_limit == 0
+    # Index 0 times out alone again and again; nothing is counted.
+    wait_until(lambda: len([f for f in ctl.finished if f.index == 0]) >= 2,
+               "index 0 to time out twice", tick=ctl.sync)
+    for f in ctl.finished:
+        assert (f.index, f.exit_code, f.action) == (0, 6, "Ignore"), f.pod.log()
+        assert "exiting with code 6" in f.pod.log() and "too few nodes" in f.pod.log()
+    assert ctl.failed == 0 and ctl.condition is None
+    assert ctl.active[1] is pending[1] and len(ctl.created[1]) == 1
+    # The scheduler places index 1: the next pod of index 0 meets it.
+    pending[1].place()
+    pods = lambda: [ctl.active[i] for i in sorted(ctl.active)]  # noqa: E731
+    wait_until(lambda: len(ctl.active) == 2 and running_round(workdir, pods()),
+               "a round of indices 0, 1", tick=ctl.sync)
+    with open(os.path.join(workdir, "cmd.all"), "w") as f:
+        f.write("exit 0\n")
+    wait_until(ctl.done, "the Job to finish", tick=ctl.sync)
+    assert ctl.condition == "Complete", [(f.index, f.exit_code, f.action) for f in ctl.finished]
+    assert ctl.failed == 0

@@ -229,6 +229,96 @@ def test_extra_pod_labels_and_annotations(render):
     assert meta["annotations"]["example.com/owner"] == "ml"
 
 
+# Every extension point of the worker pod at once, rendered for both kinds.
+EXTENDED = {
+    "job": {"env": {"OMP_NUM_THREADS": "4"}},
+    "workers": {
+        "runtimeClassName": "nvidia",
+        "podAnnotations": {"example.com/owner": "ml"},
+        "extraVolumes": [{"name": "datasets",
+                          "persistentVolumeClaim": {"claimName": "imagenet", "readOnly": True}},
+                         {"name": "creds", "secret": {"secretName": "s3"}}],
+        "extraVolumeMounts": [{"name": "datasets", "mountPath": "/data", "readOnly": True},
+                              {"name": "creds", "mountPath": "/etc/s3"},
+                              {"name": "checkpoints", "mountPath": "/out", "subPath": "run-1"}],
+        "extraEnv": [{"name": "WANDB_API_KEY",
+                      "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}},
+                     {"name": "DATA_DIR", "value": "/data"},
+                     {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "envFrom": [{"secretRef": {"name": "s3-creds"}},
+                    {"configMapRef": {"name": "training", "optional": True}, "prefix": "TRAIN_"}],
+        "initContainers": [{"name": "fetch", "image": "busybox:1.36",
+                            "command": ["sh", "-c", "cp -r /src/. /data"],
+                            "volumeMounts": [{"name": "datasets", "mountPath": "/data"}]}],
+        "containerSecurityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+    },
+}
+
+
+@pytest.mark.parametrize("kind", ["job", "statefulset"])
+def test_pod_extension_points(render, kind):
+    r = render({**EXTENDED, "workers": {**EXTENDED["workers"], "kind": kind}})
+    w = EXTENDED["workers"]
+    pod = r.pod_spec()
+    agent = r.agent()
+    assert pod["runtimeClassName"] == "nvidia"
+    assert r.workers()["spec"]["template"]["metadata"]["annotations"]["example.com/owner"] == "ml"
+    # Volumes after the chart's own, mounts on the agent container.
+    volumes = by_name(pod["volumes"])
+    assert {"shm", "tmp", "checkpoints"} <= set(volumes)
+    for v in w["extraVolumes"]:
+        assert volumes[v["name"]] == v
+    mounts = agent["volumeMounts"]
+    assert mounts[-3:] == w["extraVolumeMounts"]
+    assert by_name(mounts)["shm"]["mountPath"] == "/dev/shm"
+    # EnvVars, valueFrom included, after the chart's and job.env's; job.env
+    # still works.
+    env = agent["env"]
+    assert env[-3:] == w["extraEnv"]
+    names = [e["name"] for e in env]
+    assert names.index("OMP_NUM_THREADS") < names.index("WANDB_API_KEY")
+    assert r.env()["OMP_NUM_THREADS"] == "4"
+    assert r.env()["DUCTILE_RDZV_ID"] == "demo"
+    assert agent["envFrom"] == w["envFrom"]
+    # Init containers run before the agent, as given.
+    assert pod["initContainers"] == w["initContainers"]
+    assert [c["name"] for c in pod["containers"]] == ["agent"]
+    # The security context: IPC_LOCK added, the rest of the chart's kept.
+    csc = agent["securityContext"]
+    assert csc["capabilities"] == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
+    assert csc["allowPrivilegeEscalation"] is False and csc["runAsNonRoot"] is True
+    assert csc["readOnlyRootFilesystem"] is True
+    assert csc["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_pod_extension_points_default_to_nothing(render):
+    for kind in ("job", "statefulset"):
+        r = render({"workers": {"kind": kind}})
+        pod, agent = r.pod_spec(), r.agent()
+        for key in ("runtimeClassName", "initContainers", "schedulerName"):
+            assert key not in pod, key
+        assert "envFrom" not in agent
+        assert {v["name"] for v in pod["volumes"]} == {"shm", "tmp", "checkpoints"}
+
+
+def test_container_security_context_replaces_key_by_key(render):
+    # A key replaces the chart's, false included (a merge that skips false
+    # would keep runAsNonRoot true and the pod could not run as root);
+    # capabilities.drop replaces the chart's drop list.
+    r = render({"workers": {"readOnlyRootFilesystem": False, "containerSecurityContext": {
+        "runAsNonRoot": False, "runAsUser": 0,
+        "capabilities": {"add": ["IPC_LOCK", "SYS_RESOURCE"], "drop": ["NET_RAW"]}}}})
+    csc = r.agent()["securityContext"]
+    assert csc["runAsNonRoot"] is False and csc["runAsUser"] == 0
+    assert csc["capabilities"] == {"add": ["IPC_LOCK", "SYS_RESOURCE"], "drop": ["NET_RAW"]}
+    assert csc["readOnlyRootFilesystem"] is False
+    assert csc["privileged"] is False
+    # The etcd containers keep the chart's own.
+    etcd = r.one("StatefulSet", "-etcd")["spec"]["template"]["spec"]["containers"][0]
+    assert etcd["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert etcd["securityContext"]["runAsNonRoot"] is True
+
+
 def _assert_hardened(pod_spec, container):
     psc = pod_spec["securityContext"]
     assert psc["runAsNonRoot"] is True

@@ -89,7 +89,7 @@ def test_exit_codes_of_the_policy_are_the_agents(render):
     assert fail_job[0]["onExitCodes"]["values"] == sorted([codes["USAGE"], codes["JOB_FAILED"]])
     ignored = [r["onExitCodes"]["values"] for r in rules
                if r["action"] == "Ignore" and "onExitCodes" in r]
-    assert ignored == [sorted([codes["DROPPED"], codes["LEFT"]])]
+    assert ignored == [sorted([codes["DROPPED"], codes["LEFT"], codes["NO_ROUND"]])]
     # ... and the pods leave a running job with the code the policy ignores
     env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["DUCTILE_LEAVE_EXIT_CODE"] == str(codes["LEFT"])
@@ -105,6 +105,7 @@ def test_policy_maps_every_way_a_pod_ends(render):
         (codes["JOB_FAILED"], (), "FailJob"),  # the job's restart budget is spent
         (codes["DROPPED"], (), "Ignore"),     # etcd dropped the node, not its fault
         (codes["LEFT"], (), "Ignore"),        # deleted while training: replaced
+        (codes["NO_ROUND"], (), "Ignore"),  # waited for peers: not a failure
         (137, (), "Count"),                   # SIGKILL: OOM kill, a crash
         (139, (), "Count"),                   # SIGSEGV
         (143, disrupted, "Ignore"),           # preempted, evicted, drained
@@ -159,6 +160,9 @@ MUTABLE = {
     "ttl": {"workers": {"job": {"ttlSecondsAfterFinished": 60}}},
     "pdb": {"podDisruptionBudget": {"minAvailable": 2}},
     "service-monitor": {"serviceMonitor": {"enabled": True}},
+    "deadline": {"workers": {"job": {"activeDeadlineSeconds": 3600}}},
+    "job-labels": {"workers": {"labels": {"kueue.x-k8s.io/queue-name": "team-b"}}},
+    "job-annotations": {"workers": {"annotations": {"example.com/owner": "vision"}}},
 }
 # What it does not: the checksum changes, so _validate.tpl refuses it.
 IMMUTABLE = {
@@ -174,6 +178,9 @@ IMMUTABLE = {
                        "script": {"content": "print(1)"}}},
     "nccl": {"nccl": {"debug": "INFO"}},
     "pod-labels": {"workers": {"podLabels": {"team": "vision"}}},
+    "scheduler": {"workers": {"schedulerName": "scheduler-plugins-scheduler"}},
+    "extra-env": {"workers": {"extraEnv": [{"name": "A", "value": "1"}]}},
+    "security": {"workers": {"containerSecurityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}},
 }
 
 
@@ -214,3 +221,58 @@ def test_values_from_before_workers_kind_keep_a_statefulset(render):
     # Asking such a release for a Job says what to do.
     with pytest.raises(helm.HelmRenderError, match="--reset-then-reuse-values"):
         render({"workers": {"kind": "job", "job": None}})
+
+
+def test_scheduling_fields_of_the_job(render):
+    """Kueue's queue label and annotations on the Job object (not its pods),
+    the deadline in its spec, the scheduler in its pods."""
+    r = render(JOBS / "kueue.yaml", name="fmnist-queued")
+    job = r.workers()
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert "kueue.x-k8s.io/queue-name" not in job["spec"]["template"]["metadata"]["labels"]
+    assert job["spec"]["activeDeadlineSeconds"] == 86400
+    # Kueue creates it suspended and resumes it; the chart never sets
+    # suspend, so an upgrade does not fight Kueue over it.
+    assert "suspend" not in job["spec"]
+    # The chart's own labels stay beside the user's.
+    assert job["metadata"]["labels"]["app.kubernetes.io/instance"] == "fmnist-queued"
+    assert "activeDeadlineSeconds" not in render().workers()["spec"]
+    r = render({"workers": {"schedulerName": "volcano", "annotations": {"a.example/b": "c"}}})
+    assert r.pod_spec()["schedulerName"] == "volcano"
+    assert r.workers()["metadata"]["annotations"]["a.example/b"] == "c"
+    assert "checksum/immutable-spec" in r.workers()["metadata"]["annotations"]
+    assert "schedulerName" not in render().pod_spec()
+
+
+def test_statefulset_gets_the_object_labels_and_scheduler(render):
+    r = render({"workers": {"kind": "statefulset", "schedulerName": "volcano",
+                            "labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+                            "annotations": {"a.example/b": "c"}}})
+    sts = r.workers()
+    assert sts["kind"] == "StatefulSet"
+    assert sts["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert sts["metadata"]["annotations"] == {"a.example/b": "c"}
+    assert r.pod_spec()["schedulerName"] == "volcano"
+
+
+@pytest.mark.parametrize("kind", ["job", "statefulset"])
+def test_pod_group_for_gang_scheduling(render, kind):
+    r = render(with_values(JOBS / "gang-coscheduling.yaml", {"workers": {"kind": kind}}),
+               name="fmnist-gang")
+    (pg,) = r.of_kind("PodGroup")
+    assert pg["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    name = r.workers()["metadata"]["name"]
+    assert pg["metadata"]["name"] == name
+    # The gang is the job's minimum: it trains once they run.
+    assert pg["spec"] == {"minMember": 2, "scheduleTimeoutSeconds": 600}
+    pod = r.workers()["spec"]["template"]
+    assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == name
+    assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+    # minMember given; no timeout: the plugin's default.
+    r = render({"job": {"minNodes": 1, "maxNodes": 4}, "workers": {
+        "kind": kind, "replicas": 3, "podGroup": {"enabled": True, "minMember": 3}}})
+    assert r.one("PodGroup")["spec"] == {"minMember": 3}
+    # Off by default: no PodGroup, no label.
+    r = render({"workers": {"kind": kind}})
+    assert not r.of_kind("PodGroup")
+    assert "scheduling.x-k8s.io/pod-group" not in r.workers()["spec"]["template"]["metadata"]["labels"]

@@ -74,6 +74,9 @@ FEATURES = {
     # emptyDir.sizeLimit. Gate LocalStorageCapacityIsolation: beta 1.10
     # (on), GA 1.25.
     "LocalStorageCapacityIsolation": ((1, 10), (1, 25)),
+    # spec.runtimeClassName. Gate RuntimeClass: alpha 1.12, beta 1.14 (on),
+    # GA 1.20 (KEP-585).
+    "RuntimeClass": ((1, 14), (1, 20)),
 }
 
 # Every field the chart sets in a workload -> the feature it needs, or None:
@@ -91,6 +94,7 @@ FIELDS = {
     "Job.spec.podReplacementPolicy": "JobPodReplacementPolicy",
     "Job.spec.podFailurePolicy": "JobPodFailurePolicy",
     "Job.spec.template": None,
+    "Job.spec.activeDeadlineSeconds": None,
     "PodFailurePolicyRule.action": "JobPodFailurePolicy",
     "PodFailurePolicyRule.onExitCodes": "JobPodFailurePolicy",
     "PodFailurePolicyRule.onPodConditions": "JobPodFailurePolicy",
@@ -122,6 +126,9 @@ FIELDS = {
     "PodSpec.topologySpreadConstraints": "EvenPodsSpread",
     "PodSpec.containers": None,
     "PodSpec.volumes": None,
+    "PodSpec.schedulerName": None,
+    "PodSpec.runtimeClassName": "RuntimeClass",
+    "PodSpec.initContainers": None,
     "PodSecurityContext.runAsNonRoot": None,
     "PodSecurityContext.runAsUser": None,
     "PodSecurityContext.runAsGroup": None,
@@ -140,6 +147,7 @@ FIELDS = {
     "Container.resources": None,
     "Container.securityContext": None,
     "Container.volumeMounts": None,
+    "Container.envFrom": None,
     "SecurityContext.allowPrivilegeEscalation": None,
     "SecurityContext.privileged": None,
     "SecurityContext.readOnlyRootFilesystem": None,
@@ -173,6 +181,9 @@ KINDS = {
     # A CRD of the Prometheus Operator, only with serviceMonitor.enabled:
     # its version is the operator's, not the cluster's.
     "monitoring.coreos.com/v1 ServiceMonitor": None,
+    # A CRD of scheduler-plugins, only with workers.podGroup.enabled: its
+    # version is the plugin's, not the cluster's.
+    "scheduling.x-k8s.io/v1alpha1 PodGroup": None,
 }
 
 # Every optional part of the chart turned on, so its fields are classified.
@@ -186,7 +197,18 @@ EVERYTHING = {
         "affinity": {"nodeAffinity": {}},
         "priorityClassName": "training",
         "hostNetwork": True,
-        "job": {"backoffLimitPerIndex": 2, "ttlSecondsAfterFinished": 3600},
+        "job": {"backoffLimitPerIndex": 2, "ttlSecondsAfterFinished": 3600,
+                "activeDeadlineSeconds": 86400},
+        "schedulerName": "scheduler-plugins-scheduler",
+        "podGroup": {"enabled": True},
+        "runtimeClassName": "nvidia",
+        "extraVolumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+        "extraVolumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "extraEnv": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+        "envFrom": [{"secretRef": {"name": "s"}}],
+        "initContainers": [{"name": "fetch", "image": "busybox:1.36", "command": ["true"],
+                            "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+        "containerSecurityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
     },
     "image": {"pullSecrets": ["regcred"]},
     "podDisruptionBudget": {"enabled": True},

@@ -50,42 +50,58 @@ STANDARD_LABELS = ["helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by",
                    "app.kubernetes.io/component", "app.kubernetes.io/part-of"]
 
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def crd_schema(api_version, kind, spec):
+    """The structure of one object of a CRD the chart writes: apiVersion,
+    kind, metadata and the given spec, nothing else."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": {
+                "type": "object", "additionalProperties": False, "required": ["name", "namespace"],
+                "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                               "labels": _LABELS, "annotations": _LABELS},
+            },
+            "spec": spec,
+        },
+    }
+
+
 # The subset of monitoring.coreos.com/v1 ServiceMonitor the chart writes;
 # anything else (a typo, a field in the wrong place) fails.
-_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-SERVICE_MONITOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
+SERVICE_MONITOR = crd_schema("monitoring.coreos.com/v1", "ServiceMonitor", {
+    "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object", "additionalProperties": False, "required": ["name", "namespace"],
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                           "labels": _LABELS, "annotations": _LABELS},
-        },
-        "spec": {
-            "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": {"type": "object", "additionalProperties": False,
-                             "required": ["matchLabels"], "properties": {"matchLabels": _LABELS}},
-                "namespaceSelector": {"type": "object", "additionalProperties": False,
-                                      "properties": {"matchNames": {"type": "array",
-                                                                    "items": {"type": "string"}}}},
-                "endpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {"type": "object", "additionalProperties": False, "required": ["port"],
-                              "properties": {
-                                  "port": {"type": "string"},
-                                  "path": {"type": "string", "pattern": "^/"},
-                                  "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                                  "scrapeTimeout": {"type": "string",
-                                                    "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
-            },
-        },
+        "selector": {"type": "object", "additionalProperties": False,
+                     "required": ["matchLabels"], "properties": {"matchLabels": _LABELS}},
+        "namespaceSelector": {"type": "object", "additionalProperties": False,
+                              "properties": {"matchNames": {"type": "array",
+                                                            "items": {"type": "string"}}}},
+        "endpoints": {
+            "type": "array", "minItems": 1,
+            "items": {"type": "object", "additionalProperties": False, "required": ["port"],
+                      "properties": {
+                          "port": {"type": "string"},
+                          "path": {"type": "string", "pattern": "^/"},
+                          "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                          "scrapeTimeout": {"type": "string",
+                                            "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
     },
-}
+})
+
+# The PodGroup of scheduler-plugins' coscheduling plugin
+# (scheduling.x-k8s.io/v1alpha1), the fields the chart writes.
+POD_GROUP = crd_schema("scheduling.x-k8s.io/v1alpha1", "PodGroup", {
+    "type": "object", "additionalProperties": False, "required": ["minMember"],
+    "properties": {"minMember": {"type": "integer", "minimum": 1},
+                   "scheduleTimeoutSeconds": {"type": "integer", "minimum": 1}},
+})
 
 
 @pytest.fixture(scope="module", params=[c for c, _ in CASES], ids=[i for _, i in CASES])
@@ -112,6 +128,8 @@ def test_objects_valid_kubernetes_strict(render, case, kube):
         obj = strip_source(obj)
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD: test_service_monitor_structure
+        if obj["apiVersion"].startswith("scheduling.x-k8s.io/"):
+            continue  # a CRD: test_pod_group_structure
         try:
             kubernetes_validate.validate(obj, kube, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -146,6 +164,13 @@ def test_service_monitor_structure(rendered):
         for ep in sm["spec"]["endpoints"]:
             assert ep["port"] in ports
             assert ep["path"] == "/metrics"
+
+
+def test_pod_group_structure(rendered):
+    for pg in rendered.of_kind("PodGroup"):
+        jsonschema.validate(strip_source(pg), POD_GROUP)
+        labels = rendered.workers()["spec"]["template"]["metadata"]["labels"]
+        assert labels["scheduling.x-k8s.io/pod-group"] == pg["metadata"]["name"]
 
 
 def test_service_monitor_check_catches_a_typo(render):

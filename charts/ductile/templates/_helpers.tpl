@@ -89,6 +89,15 @@ such a release has a StatefulSet, and keeps it. */}}
 {{- end }}
 {{- end }}
 
+{{/* The PodGroup's minMember: workers.podGroup.minMember, else job.minNodes. */}}
+{{- define "ductile.podGroupMinMember" -}}
+{{- if not (kindIs "invalid" .Values.workers.podGroup.minMember) }}
+{{- .Values.workers.podGroup.minMember }}
+{{- else }}
+{{- .Values.job.minNodes }}
+{{- end }}
+{{- end }}
+
 {{- define "ductile.gracePeriod" -}}
 {{- if .Values.workers.terminationGracePeriodSeconds }}
 {{- .Values.workers.terminationGracePeriodSeconds }}

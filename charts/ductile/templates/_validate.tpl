@@ -65,14 +65,50 @@ includes this, so every install, upgrade and template run checks it.
 {{- else if eq $kind "job" }}
 {{- include "ductile.validateJob" . }}
 {{- else }}
-{{- range $k := list "backoffLimitPerIndex" "ttlSecondsAfterFinished" }}
+{{- range $k := list "backoffLimitPerIndex" "ttlSecondsAfterFinished" "activeDeadlineSeconds" }}
 {{- if not (kindIs "invalid" (index $w.job $k)) }}
 {{- fail (printf "workers.job.%s is set but workers.kind is %s: it applies to workers.kind=job only" $k $kind) }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- include "ductile.validatePod" . }}
 {{- if and $job.script.content (not (has (printf "%s/%s" $job.script.mountPath $job.script.fileName) $job.command)) }}
 {{- fail (printf "job.script is set but job.command never names %s/%s: run the script from the command" $job.script.mountPath $job.script.fileName) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Rules of the pod's extension points: a name the chart already uses, a
+mount of no volume, a gang that could never be placed.
+*/}}
+{{- define "ductile.validatePod" -}}
+{{- $w := .Values.workers }}
+{{- $own := list "shm" "tmp" "checkpoints" "script" "etcd-tls" }}
+{{- $extra := list }}
+{{- range $i, $v := $w.extraVolumes }}
+{{- if has $v.name $own }}
+{{- fail (printf "workers.extraVolumes[%d]: the name %q is one of the chart's own volumes (%s): pick another" $i $v.name (join ", " $own)) }}
+{{- end }}
+{{- if has $v.name $extra }}
+{{- fail (printf "workers.extraVolumes[%d]: the name %q is given twice" $i $v.name) }}
+{{- end }}
+{{- $extra = append $extra $v.name }}
+{{- end }}
+{{- range $i, $m := $w.extraVolumeMounts }}
+{{- if not (has $m.name (concat $own $extra)) }}
+{{- fail (printf "workers.extraVolumeMounts[%d]: no volume named %q: add it to workers.extraVolumes" $i $m.name) }}
+{{- end }}
+{{- end }}
+{{- range $i, $c := $w.initContainers }}
+{{- if eq $c.name "agent" }}
+{{- fail (printf "workers.initContainers[%d]: the name \"agent\" is the agent container's: pick another" $i) }}
+{{- end }}
+{{- end }}
+{{- if and $w.podGroup $w.podGroup.enabled }}
+{{- $min := int (include "ductile.podGroupMinMember" .) }}
+{{- if gt $min (int $w.replicas) }}
+{{- fail (printf "workers.podGroup.minMember (%d) must not exceed workers.replicas (%d): the group could never be placed" $min (int $w.replicas)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -99,6 +135,6 @@ offline (helm template, lint), so this runs only against a cluster. */}}
 {{- $live := lookup "batch/v1" "Job" .Release.Namespace $name }}
 {{- $was := dig "metadata" "annotations" "checksum/immutable-spec" "" $live }}
 {{- if and $was (ne $was (include "ductile.jobImmutableChecksum" .)) }}
-{{- fail (printf "workers.kind=job: Job %s exists, and Kubernetes lets an upgrade change only its size (workers.replicas), workers.job.backoffLimit and workers.job.ttlSecondsAfterFinished; these values change its pods or failure policy. Keep the rest as it is (helm upgrade --reuse-values --set workers.replicas=N), or uninstall the release and install it again (charts/ductile/README.md: Change a running job)" $name) }}
+{{- fail (printf "workers.kind=job: Job %s exists, and Kubernetes lets an upgrade change only its size (workers.replicas), workers.job.backoffLimit, workers.job.ttlSecondsAfterFinished, workers.job.activeDeadlineSeconds, workers.labels and workers.annotations; these values change its pods or failure policy. Keep the rest as it is (helm upgrade --reuse-values --set workers.replicas=N), or uninstall the release and install it again (charts/ductile/README.md: Change a running job)" $name) }}
 {{- end }}
 {{- end }}

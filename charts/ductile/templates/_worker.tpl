@@ -46,6 +46,9 @@ metadata:
     {{- with $w.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+    {{- if and $w.podGroup $w.podGroup.enabled }}
+    scheduling.x-k8s.io/pod-group: {{ include "ductile.workerName" . }}
+    {{- end }}
   {{- if or .Values.job.script.content $w.podAnnotations }}
   annotations:
     {{- if .Values.job.script.content }}
@@ -83,6 +86,12 @@ spec:
   {{- with $w.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
+  {{- with $w.schedulerName }}
+  schedulerName: {{ . }}
+  {{- end }}
+  {{- with $w.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
   {{- with $w.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -97,6 +106,10 @@ spec:
   {{- end }}
   {{- with $w.topologySpreadConstraints }}
   topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $w.initContainers }}
+  initContainers:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   containers:
@@ -197,6 +210,13 @@ spec:
         - name: {{ $k }}
           value: {{ $v | quote }}
         {{- end }}
+        {{- with $w.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $w.envFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       ports:
         - name: http
           containerPort: {{ $w.httpPort }}
@@ -219,7 +239,7 @@ spec:
         {{- end }}
         {{- toYaml $res | nindent 8 }}
       securityContext:
-        {{- include "ductile.containerSecurityContext" (dict "readOnly" $w.readOnlyRootFilesystem) | nindent 8 }}
+        {{- include "ductile.agentSecurityContext" . | nindent 8 }}
       volumeMounts:
         - name: shm
           mountPath: /dev/shm
@@ -233,6 +253,9 @@ spec:
           readOnly: true
         {{- end }}
         {{- with (include "ductile.etcdTLSVolumeMount" .) }}{{ . | nindent 8 }}{{ end }}
+        {{- with $w.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
   volumes:
     - name: shm
       emptyDir:
@@ -259,6 +282,30 @@ spec:
         defaultMode: 0444
     {{- end }}
     {{- with (include "ductile.etcdTLSVolume" .) }}{{ . | nindent 4 }}{{ end }}
+    {{- with $w.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+
+{{/* The agent container's securityContext: the chart's, with
+workers.containerSecurityContext over it key by key. Set by hand, not with
+mergeOverwrite, which skips false and 0 (runAsNonRoot: false would be
+lost); capabilities' add and drop each replace the chart's list. */}}
+{{- define "ductile.agentSecurityContext" -}}
+{{- $w := .Values.workers -}}
+{{- $sc := include "ductile.containerSecurityContext" (dict "readOnly" $w.readOnlyRootFilesystem) | fromYaml -}}
+{{- range $k, $v := (default dict $w.containerSecurityContext) }}
+{{- if and (eq $k "capabilities") (kindIs "map" $v) }}
+{{- $caps := deepCopy (default dict (get $sc "capabilities")) }}
+{{- range $ck, $cv := $v }}
+{{- $_ := set $caps $ck $cv }}
+{{- end }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- else }}
+{{- $_ := set $sc $k $v }}
+{{- end }}
+{{- end }}
+{{- toYaml $sc }}
 {{- end }}
 
 {{/* The fields of the Indexed Job that Kubernetes never lets change (the
@@ -286,7 +333,7 @@ podFailurePolicy:
       onExitCodes:
         containerName: agent
         operator: In
-        values: [4, 5]
+        values: [4, 5, 6]
 {{- end }}
 
 {{/* Checksum of everything Kubernetes keeps immutable in the Job. */}}
