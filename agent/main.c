@@ -1,6 +1,7 @@
 /* main.c: ductile-agent: options, logger and signals, then the agent.
  *
  *   ductile-agent [options] -- COMMAND ARGS...
+ *   ductile-agent [torchrun's options] SCRIPT.py ARGS...   (or -m MODULE)
  *   ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]
  *
  * Everything here runs before the agent starts a thread: the signals the

@@ -19,6 +19,7 @@
 #include "ductile/control.h" /* ctl_int: one integer parser */
 
 #include <arpa/inet.h>
+#include <ctype.h>
 #include <errno.h>
 #include <ifaddrs.h>
 #include <math.h>
@@ -102,10 +103,9 @@ typedef struct agent_opt {
 /* PET_<FLAG>: torchrun's variable for a flag (argparse's dest, upper case). */
 static void pet_name(const agent_opt *t, char *out, size_t len)
 {
-    size_t n = (size_t)snprintf(out, len, "PET_%s", t->flag);
-    for (size_t i = 4; i < n && i < len; i++)
-        out[i] =
-            out[i] == '-' ? '_' : (char)(out[i] >= 'a' && out[i] <= 'z' ? out[i] - 32 : out[i]);
+    snprintf(out, len, "PET_%s", t->flag);
+    for (char *p = out + 4; *p; p++)
+        *p = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
 }
 
 static const agent_opt agent_opt_table[OPT_COUNT] = {
@@ -586,7 +586,10 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         return o->password = v, 0;
     case OPT_RDZV_BACKEND: {
         static const char *const names[] = {"etcd-v2", "etcd", "c10d", "static", NULL};
-        if (!one_of(v, names)) break;
+        if (!one_of(v, names)) {
+            snprintf(why, len, "'%s' is not etcd-v2, etcd, c10d or static", v);
+            return -1;
+        }
         note(o, id, "--rdzv-backend %s: the rendezvous is etcd (v3 API) at --rdzv-endpoint%s", v,
              v[0] == 'e' ? "" : ", which must name an etcd, not a torch TCPStore");
         return 0;
@@ -657,10 +660,6 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         return 0;
     default:
         break;
-    }
-    if (id == OPT_RDZV_BACKEND) {
-        snprintf(why, len, "'%s' is not etcd-v2, etcd, c10d or static", v);
-        return -1;
     }
     snprintf(why, len, "unknown option");
     return -1;
