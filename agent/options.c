@@ -58,7 +58,8 @@ typedef enum {
     OPT_KEY,
     OPT_USER,
     OPT_PASSWORD,
-    /* torchrun's own flags (--nnodes and the rest above are torchrun's too) */
+    /* torchrun's own flags, those without a DUCTILE_* variable (--nnodes and
+     * others above are torchrun's too) */
     OPT_RDZV_BACKEND,
     OPT_RDZV_CONF,
     OPT_MODULE,
@@ -86,7 +87,6 @@ typedef enum {
     OPT_COUNT
 } agent_opt_id;
 
-#define OPT_TORCHRUN_FIRST OPT_RDZV_BACKEND
 _Static_assert(OPT_COUNT <= AGENT_NOTES_MAX, "a note for each option");
 
 typedef struct agent_opt {
@@ -264,12 +264,14 @@ static void usage(FILE *f)
                "decimals. Worker output is passed through as \"[RANK] line\" (stdout to\n"
                "stdout, stderr to stderr); the agent's own log lines go to stderr, those at\n"
                "DUCTILE_LOG_LEVEL (error, warn, info or debug; default info) or more severe.\n\n");
-    for (int i = 0; i < OPT_COUNT; i++) {
-        const agent_opt *o = &agent_opt_table[i];
-        if (i == OPT_TORCHRUN_FIRST)
+    /* ductile's options (those with a DUCTILE_* variable), then torchrun's own */
+    for (int k = 0; k < 2 * OPT_COUNT; k++) {
+        const agent_opt *o = &agent_opt_table[k % OPT_COUNT];
+        if (k == OPT_COUNT)
             fprintf(f,
                     "\ntorchrun's flags (also with underscores, and from PET_<FLAG>); an ignored "
                     "one is\nchecked as torchrun checks it and logged once:\n");
+        if ((k < OPT_COUNT) != (o->env != NULL)) continue;
         char left[64], pet[64], vars[160];
         pet_name(o, pet, sizeof(pet));
         int n = o->letter ? snprintf(left, sizeof(left), "-%c, ", o->letter) : 0;
@@ -777,9 +779,10 @@ int agent_opts_parse(int argc, char **argv, agent_opts *o)
     char why[300];
     o->keep_alive_ms = 5000; /* torch's c10d keep-alive defaults */
     o->keep_alive_attempts = 3;
-    for (int i = 0; i < OPT_TORCHRUN_FIRST; i++) {
+    for (int i = 0; i < OPT_COUNT; i++) {
         const agent_opt *t = &agent_opt_table[i];
-        if (t->def && i != OPT_NODE_ID && i != OPT_NODE_ADDR && i != OPT_HTTP_PORT &&
+        /* torchrun's own (no DUCTILE_* variable): their defaults are its, shown only */
+        if (t->env && t->def && i != OPT_NODE_ID && i != OPT_NODE_ADDR && i != OPT_HTTP_PORT &&
             i != OPT_STANDALONE && opt_set(o, (agent_opt_id)i, t->def, why, sizeof(why)) != 0)
             abort(); /* the table's defaults are valid */
     }
