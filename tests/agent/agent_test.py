@@ -42,6 +42,9 @@ class Agent:
         self.err_path = os.path.join(job.dir, "agent.%s.err" % name)
         env = dict(os.environ)
         env["AGENT_TEST_DIR"] = job.dir
+        # An agent's private directory (its workers' error files) goes with
+        # the job's, also when the test kills the agent.
+        env["TMPDIR"] = job.dir
         env.update(env_extra or {})
         cmd = [ARGS.agent, "--rdzv-endpoint", ETCD, "--rdzv-id", job.name, "--node-id", node,
                "--node-addr", "127.0.0.1"] + job.flags + flags + ["--"] + (cmd or [ARGS.worker])
