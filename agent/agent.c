@@ -62,6 +62,7 @@ typedef struct agent {
     agent_standalone sa;
     int sigfd;
     agent_workers ws;
+    agent_logs logs;   /* torchrun's per-worker files and error files */
     agent_watchdog wd; /* the progress watchdog (--hang-timeout) */
     rdzv_round round;  /* current or last round; number 0 = none yet */
     int in_round;      /* round is frozen and has not ended */
@@ -547,9 +548,11 @@ static void launch_round(agent *a, const char *maddr, int mport)
                            .job = a->o->job,
                            .role = a->o->role,
                            .store_prefix = prefix,
-                           .etcd = a->etcd};
+                           .etcd = a->etcd,
+                           .logs = &a->logs};
     char msg[AGENT_MSG_MAX];
-    if (agent_workers_spawn(&a->ws, &env, a->o->cmd, msg, sizeof(msg)) != 0) {
+    if (agent_logs_attempt(&a->logs, rd->restarts, msg, sizeof(msg)) != 0 ||
+        agent_workers_spawn(&a->ws, &env, a->o->cmd, msg, sizeof(msg)) != 0) {
         dlog_error(&a->lg, "spawn_failed", "round %lld: cannot start workers: %s",
                    (long long)rd->number, msg);
         a->state = AGENT_RDZV;
@@ -1086,6 +1089,16 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
             goto out;
         }
     }
+    a.logs.redirects = o->redirects;
+    a.logs.tee = o->tee;
+    a.logs.ranks_filter = o->ranks_filter;
+    if (agent_logs_open(&a.logs, o->log_dir, o->job, msg, sizeof(msg)) != 0) {
+        dlog_error(&a.lg, "log_dir_failed", "%s", msg);
+        a.exit_code = o->log_dir ? AGENT_EXIT_USAGE : AGENT_EXIT_ERROR;
+        goto out;
+    }
+    if (o->log_dir || o->redirects || o->tee)
+        dlog_info(&a.lg, "log_dir", "worker files in %s", a.logs.run_dir);
     publish(&a);
 
     a.cfg = (rdzv_config){.etcd = a.etcd,
@@ -1144,6 +1157,7 @@ out:
     if (a.rz) rdzv_close(a.rz); /* a task still running holds it: it frees it last */
     agent_http_stop(a.http);
     agent_standalone_stop(&a.sa);
+    agent_logs_close(&a.logs);
     rdzv_round_free(&a.round);
     if (a.have_pending) rdzv_round_free(&a.pending);
     /* A task still blocked in libcurl: leave curl's globals be. */

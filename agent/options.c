@@ -5,12 +5,21 @@
  * then the environment, then the command line, each value through the same
  * opt_set(), so a flag and its variable are checked alike and a bad value
  * is one line naming where it came from.
+ *
+ * torchrun's flags are in the table too, so that a torchrun command line
+ * runs unchanged: with their PET_* variables (torchrun reads PET_<FLAG> as a
+ * flag's default), its -m/-r/-t, and its command form (the first argument
+ * that is not an option is the script, run as PYTHON -u SCRIPT ARGS). A
+ * flag with no meaning here says so once in the log ("ignored"), checked
+ * as torchrun checks it.
  */
 #include "options.h"
+#include "logs.h"
 
 #include "ductile/control.h" /* ctl_int: one integer parser */
 
 #include <arpa/inet.h>
+#include <ctype.h>
 #include <errno.h>
 #include <ifaddrs.h>
 #include <math.h>
@@ -49,28 +58,67 @@ typedef enum {
     OPT_KEY,
     OPT_USER,
     OPT_PASSWORD,
+    /* torchrun's own flags, those without a DUCTILE_* variable (--nnodes and
+     * others above are torchrun's too) */
+    OPT_RDZV_BACKEND,
+    OPT_RDZV_CONF,
+    OPT_MODULE,
+    OPT_NO_PYTHON,
+    OPT_RUN_PATH,
+    OPT_LOG_DIR,
+    OPT_REDIRECTS,
+    OPT_TEE,
+    OPT_LOCAL_RANKS_FILTER,
+    OPT_LOCAL_ADDR,
+    OPT_MONITOR_INTERVAL,
+    OPT_START_METHOD,
+    OPT_EVENT_LOG_HANDLER,
+    OPT_LOG_LINE_PREFIX_TEMPLATE,
+    OPT_DUPLICATE_STDOUT_FILTERS,
+    OPT_DUPLICATE_STDERR_FILTERS,
+    OPT_NODE_RANK,
+    OPT_MASTER_ADDR,
+    OPT_MASTER_PORT,
+    OPT_LOGS_SPECS,
+    OPT_NUMA_BINDING,
+    OPT_SIGNALS_TO_HANDLE,
+    OPT_VIRTUAL_LOCAL_RANK,
+    OPT_PRINT_COMPLETION,
     OPT_COUNT
 } agent_opt_id;
 
+_Static_assert(OPT_COUNT <= AGENT_NOTES_MAX, "a note for each option");
+
 typedef struct agent_opt {
     const char *flag; /* without the leading "--" */
-    const char *env;
-    const char *arg; /* NULL for a switch */
-    const char *def; /* NULL: no default */
+    const char *env;  /* the DUCTILE_* variable; NULL: torchrun's PET_* only */
+    const char *arg;  /* NULL for a switch */
+    const char *def;  /* NULL: no default */
     const char *help;
+    int pet;             /* torchrun's flag: PET_<FLAG> is read too */
+    char letter;         /* torchrun's short form (-m, -r, -t), or 0 */
+    const char *ignored; /* why the agent has no use for it; NULL: it has */
 } agent_opt;
+
+/* PET_<FLAG>: torchrun's variable for a flag (argparse's dest, upper case). */
+static void pet_name(const agent_opt *t, char *out, size_t len)
+{
+    snprintf(out, len, "PET_%s", t->flag);
+    for (char *p = out + 4; *p; p++)
+        *p = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+}
 
 static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_NNODES] = {"nnodes", "DUCTILE_NNODES", "N|MIN:MAX", "1:1",
-                    "nodes in the job; the job runs with MIN and grows to MAX"},
+                    "nodes in the job; the job runs with MIN and grows to MAX", 1},
     [OPT_NPROC] = {"nproc-per-node", "DUCTILE_NPROC_PER_NODE", "K|auto|cpu|gpu", "1",
-                   "workers on this node: K, one per GPU, per CPU, or auto (GPUs if any)"},
+                   "workers on this node: K, one per GPU, per CPU, or auto (GPUs if any)", 1},
     [OPT_ENDPOINT] = {"rdzv-endpoint", "DUCTILE_RDZV_ENDPOINT", "URL[,URL...]", NULL,
-                      "etcd endpoints (required unless --standalone)"},
+                      "etcd endpoints (required unless --standalone)", 1},
     [OPT_ID] = {"rdzv-id", "DUCTILE_RDZV_ID", "JOB", NULL,
-                "job id [a-z0-9][a-z0-9-]{0,62} (required unless --standalone)"},
+                "job id [a-z0-9][a-z0-9-]{0,62} (required unless --standalone)", 1},
     [OPT_MAX_RESTARTS] = {"max-restarts", "DUCTILE_MAX_RESTARTS", "N", "0",
-                          "restarts after failures allowed for the whole job (kept in etcd)"},
+                          "restarts after failures allowed for the whole job (kept in etcd)", 1},
     [OPT_NODE_ID] = {"node-id", "DUCTILE_NODE_ID", "ID", "the host name",
                      "unique node name [A-Za-z0-9._-]{1,128}"},
     [OPT_NODE_ADDR] = {"node-addr", "DUCTILE_NODE_ADDR", "ADDR",
@@ -84,7 +132,7 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                           "a round must form within this, else the agent exits 6 (too few "
                           "nodes came: a wait, not a failure)"},
     [OPT_SHUTDOWN_TIMEOUT] = {"shutdown-timeout", "DUCTILE_SHUTDOWN_TIMEOUT", "SECONDS", "20",
-                              "on SIGTERM/SIGINT: stop workers, leave and exit within this"},
+                              "on SIGTERM/SIGINT: stop workers, leave and exit within this", 1},
     [OPT_STOP_GRACE] = {"stop-grace", "DUCTILE_STOP_GRACE", "SECONDS", "5",
                         "between SIGTERM and SIGKILL when stopping workers for a new round (a "
                         "graceful change gives them --shutdown-timeout to finish the step)"},
@@ -97,7 +145,7 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                      "restart: relaunch workers each round; inplace: keep them, send "
                      "rounds on DUCTILE_CONTROL_FD"},
     [OPT_STANDALONE] = {"standalone", "DUCTILE_STANDALONE", NULL, "off",
-                        "run a private etcd on a free loopback port (one-machine runs)"},
+                        "run a private etcd on a free loopback port (one-machine runs)", 1},
     [OPT_HTTP_PORT] = {"http-port", "DUCTILE_HTTP_PORT", "PORT", "0 (off)",
                        "serve /healthz, /readyz and /metrics on this port"},
     [OPT_LOG_FORMAT] = {"log-format", "DUCTILE_LOG_FORMAT", "text|json", "text",
@@ -106,31 +154,138 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                              "exit status after leaving a job that is still running on "
                              "SIGTERM/SIGINT (5 under a Kubernetes Job: the pod is replaced, "
                              "not complete)"},
-    [OPT_ROLE] = {"role", "DUCTILE_ROLE", "NAME", "default", "ROLE_NAME given to workers"},
+    [OPT_ROLE] = {"role", "DUCTILE_ROLE", "NAME", "default", "ROLE_NAME given to workers", 1},
     [OPT_CACERT] = {"etcd-cacert", "DUCTILE_ETCD_CACERT", "FILE", NULL,
                     "CA certificate to verify etcd (PEM)"},
     [OPT_CERT] = {"etcd-cert", "DUCTILE_ETCD_CERT", "FILE", NULL, "client certificate (PEM)"},
     [OPT_KEY] = {"etcd-key", "DUCTILE_ETCD_KEY", "FILE", NULL, "client key (PEM)"},
     [OPT_USER] = {"etcd-user", "DUCTILE_ETCD_USER", "NAME", NULL, "etcd user name"},
     [OPT_PASSWORD] = {"etcd-password", "DUCTILE_ETCD_PASSWORD", "PASSWORD", NULL, "etcd password"},
+    [OPT_RDZV_BACKEND] = {"rdzv-backend", NULL, "NAME", "static",
+                          "etcd-v2, etcd, c10d or static: the rendezvous is always etcd (v3 "
+                          "API) at --rdzv-endpoint, which for c10d and static too must name an "
+                          "etcd",
+                          1},
+    [OPT_RDZV_CONF] = {"rdzv-conf", NULL, "KEY=VALUE,...", NULL,
+                       "timeout, join_timeout: --join-timeout; last_call_timeout: --last-call; "
+                       "keep_alive_interval x keep_alive_max_attempt (5 x 3): --lease-ttl; "
+                       "cacert, cert, key: --etcd-*; protocol=https: https endpoints; "
+                       "read_timeout, close_timeout, is_host, use_libuv: ignored",
+                       1},
+    [OPT_MODULE] = {"module", NULL, NULL, "off", "run the command as PYTHON -u -m MODULE ARGS", 1,
+                    'm'},
+    [OPT_NO_PYTHON] = {"no-python", NULL, NULL, "off", "run the command itself, as after --", 1},
+    [OPT_RUN_PATH] = {"run-path", NULL, NULL, "off",
+                      "run the script as PYTHON -u SCRIPT ARGS (what torchrun's runpy does in "
+                      "one interpreter); wins over --no-python",
+                      1},
+    [OPT_LOG_DIR] = {"log-dir", NULL, "DIR", NULL,
+                     "per-worker files in DIR/JOB_XXXXXX/attempt_RESTARTS/LOCAL_RANK/ "
+                     "(stdout.log, stderr.log, error.json); the rounds of one attempt append",
+                     1},
+    [OPT_REDIRECTS] = {"redirects", NULL, "N|LR:N,...", "0",
+                       "streams sent to the files only: 1 stdout, 2 stderr, 3 both, for all or "
+                       "per local rank (0:1,1:2)",
+                       1, 'r'},
+    [OPT_TEE] = {"tee", NULL, "N|LR:N,...", "0", "streams sent to the files and the console", 1,
+                 't'},
+    [OPT_LOCAL_RANKS_FILTER] = {"local-ranks-filter", NULL, "LR,...", NULL,
+                                "only these local ranks' output on the console (files keep all)",
+                                1},
+    [OPT_LOCAL_ADDR] = {"local-addr", NULL, "ADDR", NULL, "as --node-addr", 1},
+    [OPT_MONITOR_INTERVAL] = {"monitor-interval", NULL, "SECONDS", NULL, "ignored", 1, 0,
+                              "the agent is event driven: it wakes on a worker's exit or output, "
+                              "not on a poll"},
+    [OPT_START_METHOD] = {"start-method", NULL, "METHOD", NULL, "ignored", 1, 0,
+                          "each worker is a fresh process (fork and exec of the command)"},
+    [OPT_EVENT_LOG_HANDLER] = {"event-log-handler", NULL, "NAME", NULL, "ignored", 1, 0,
+                               "events are the agent's log lines (--log-format json)"},
+    [OPT_LOG_LINE_PREFIX_TEMPLATE] = {"log-line-prefix-template", NULL, "TEMPLATE", NULL, "ignored",
+                                      1, 0, "console lines are prefixed [RANK]"},
+    [OPT_DUPLICATE_STDOUT_FILTERS] = {"duplicate-stdout-filters", NULL, "WORDS", NULL, "ignored", 1,
+                                      0, "use --log-dir with --tee and grep the files"},
+    [OPT_DUPLICATE_STDERR_FILTERS] = {"duplicate-stderr-filters", NULL, "WORDS", NULL, "ignored", 1,
+                                      0, "use --log-dir with --tee and grep the files"},
+    [OPT_NODE_RANK] = {"node-rank", NULL, "N", NULL,
+                       "ignored: node ranks come from the etcd rendezvous", 1, 0,
+                       "node ranks come from the etcd rendezvous (torchrun uses it for its "
+                       "static rendezvous only)"},
+    [OPT_MASTER_ADDR] = {"master-addr", NULL, "ADDR", NULL,
+                         "ignored: MASTER_ADDR is node rank 0's --node-addr", 1, 0,
+                         "MASTER_ADDR is node rank 0's --node-addr, MASTER_PORT a free port it "
+                         "publishes each round (the etcd rendezvous replaces torchrun's static "
+                         "one)"},
+    [OPT_MASTER_PORT] = {"master-port", NULL, "PORT", NULL,
+                         "ignored: MASTER_PORT is a free port node rank 0 publishes", 1, 0,
+                         "MASTER_PORT is a free port node rank 0 publishes each round"},
+    [OPT_LOGS_SPECS] = {"logs-specs", NULL, "NAME", NULL, "ignored", 1, 0,
+                        "a Python entry point: the files are --log-dir's"},
+    [OPT_NUMA_BINDING] = {"numa-binding", NULL, "MODE", NULL, "ignored", 1, 0,
+                          "bind workers with numactl in the command"},
+    [OPT_SIGNALS_TO_HANDLE] = {"signals-to-handle", NULL, "SIGNALS", NULL, "ignored", 1, 0,
+                               "SIGTERM and SIGINT stop the workers gracefully; other signals "
+                               "keep their default action"},
+    [OPT_VIRTUAL_LOCAL_RANK] = {"virtual-local-rank", NULL, NULL, NULL, "ignored", 1, 0,
+                                "LOCAL_RANK is each worker's own"},
+    [OPT_PRINT_COMPLETION] = {"print-completion", NULL, "SHELL", NULL, "ignored", 1, 0,
+                              "no shell completion"},
 };
+
+/* "  LEFT  HELP" with HELP wrapped at 80 columns under itself; a long LEFT
+ * gets a line of its own. */
+static void help_print(FILE *f, const char *left, const char *help)
+{
+    enum { COL = 37, WIDTH = 80 };
+    int at = fprintf(f, "  %-34s ", left);
+    if (at > COL) at = WIDTH; /* start the help on the next line */
+    while (*help) {
+        size_t word = strcspn(help, " ");
+        if (at + (int)word > WIDTH && at > COL) at = fprintf(f, "\n%*s", COL, "") - 1;
+        at += fprintf(f, "%s%.*s", at > COL ? " " : "", (int)word, help);
+        help += word;
+        help += strspn(help, " ");
+    }
+    fputc('\n', f);
+}
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: ductile-agent [options] [--] COMMAND ARGS...\n"
+    fprintf(f, "usage: ductile-agent [options] -- COMMAND ARGS...   (runs exactly COMMAND ARGS)\n"
+               "       ductile-agent [options] SCRIPT.py ARGS...    (torchrun's form: PYTHON -u "
+               "SCRIPT.py ARGS)\n"
+               "       ductile-agent [options] -m MODULE ARGS...    (PYTHON -u -m MODULE ARGS)\n"
+               "       ductile-agent [options] --no-python COMMAND ARGS...\n"
                "       ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]\n\n"
                "Runs COMMAND as K workers per node of an elastic job whose nodes meet in\n"
                "etcd. Every option also comes from its environment variable; the command\n"
-               "line wins. Durations are seconds and may have decimals. Worker output is\n"
-               "passed through as \"[RANK] line\" (stdout to stdout, stderr to stderr); the\n"
-               "agent's own log lines go to stderr, those at DUCTILE_LOG_LEVEL (error, warn,\n"
-               "info or debug; default info) or more severe.\n\n");
-    for (int i = 0; i < OPT_COUNT; i++) {
-        const agent_opt *o = &agent_opt_table[i];
-        char left[64];
-        snprintf(left, sizeof(left), "--%s%s%s", o->flag, o->arg ? " " : "", o->arg ? o->arg : "");
-        fprintf(f, "  %-34s %s\n  %-34s [%s%s%s]\n", left, o->help, "", o->env,
-                o->def ? ", default " : "", o->def ? o->def : "");
+               "line wins, then DUCTILE_*, then torchrun's PET_* (for torchrun's flags), then\n"
+               "the default. Without --, the first argument that is not an option ends\n"
+               "them, as in torchrun; PYTHON is $DUCTILE_PYTHON, else $PYTHON_EXEC\n"
+               "(torchrun's), else python3 on PATH. Durations are seconds and may have\n"
+               "decimals. Worker output is passed through as \"[RANK] line\" (stdout to\n"
+               "stdout, stderr to stderr); the agent's own log lines go to stderr, those at\n"
+               "DUCTILE_LOG_LEVEL (error, warn, info or debug; default info) or more severe.\n\n");
+    /* ductile's options (those with a DUCTILE_* variable), then torchrun's own */
+    for (int k = 0; k < 2 * OPT_COUNT; k++) {
+        const agent_opt *o = &agent_opt_table[k % OPT_COUNT];
+        if (k == OPT_COUNT)
+            fprintf(f,
+                    "\ntorchrun's flags (also with underscores, and from PET_<FLAG>); an ignored "
+                    "one is\nchecked as torchrun checks it and logged once:\n");
+        if ((k < OPT_COUNT) != (o->env != NULL)) continue;
+        char left[64], pet[64], vars[160];
+        pet_name(o, pet, sizeof(pet));
+        int n = o->letter ? snprintf(left, sizeof(left), "-%c, ", o->letter) : 0;
+        snprintf(left + n, sizeof(left) - (size_t)n, "--%s%s%s", o->flag, o->arg ? " " : "",
+                 o->arg ? o->arg : "");
+        snprintf(vars, sizeof(vars), "%s%s%s%s%s", o->env ? o->env : "",
+                 o->env && o->pet ? ", " : "", o->pet ? pet : "", o->def ? ", default " : "",
+                 o->def ? o->def : "");
+        char help[600];
+        snprintf(help, sizeof(help), "%s%s", o->ignored ? "ignored: " : "",
+                 o->ignored ? o->ignored : o->help);
+        help_print(f, left, help);
+        fprintf(f, "  %-34s [%s]\n", "", vars);
     }
     fprintf(f, "  %-34s %s\n", "-h, --help", "this text");
 }
@@ -186,6 +341,124 @@ static int count_gpus(void)
         if (access(path, F_OK) == 0) n++;
     }
     return n;
+}
+
+static void note(agent_opts *o, int slot, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Keeps one line for the log about option slot (the last one said wins). */
+static void note(agent_opts *o, int slot, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(o->notes[slot], sizeof(o->notes[slot]), fmt, ap);
+    va_end(ap);
+}
+
+static int one_of(const char *v, const char *const *names)
+{
+    for (; *names; names++)
+        if (strcmp(v, *names) == 0) return 1;
+    return 0;
+}
+
+static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, size_t len);
+
+static int set_bool(const char *v, int *out, char *why, size_t len)
+{
+    if (parse_bool(v, out) == 0) return 0;
+    snprintf(why, len, "'%s' is not true or false", v);
+    return -1;
+}
+
+/* --rdzv-conf torchrun's KEY=VALUE,...: the keys of its c10d and etcd
+ * rendezvous that mean something here set that option; the others are
+ * named in a note. An unknown key is an error. */
+static int rdzv_conf_set(agent_opts *o, const char *v, char *why, size_t len)
+{
+    static const char *const unused[] = {"read_timeout", "close_timeout", "is_host", "use_libuv",
+                                         NULL};
+    char ignored[256] = "";
+    int k = 0;
+    while (k < AGENT_CONF_MAX && o->conf_buf[k])
+        k++;
+    if (k == AGENT_CONF_MAX) {
+        snprintf(why, len, "given more than %d times", AGENT_CONF_MAX);
+        return -1;
+    }
+    char *buf = o->conf_buf[k] = strdup(v); /* the values point into it */
+    if (!buf) {
+        snprintf(why, len, "out of memory");
+        return -1;
+    }
+    char *save = NULL;
+    for (char *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+        char *val = strchr(kv, '=');
+        if (!val) {
+            snprintf(why, len, "'%s' is not KEY=VALUE", kv);
+            return -1;
+        }
+        *val++ = 0;
+        char sub[200];
+        int rc = 0, ka = 0;
+        agent_opt_id target = OPT_COUNT;
+        if (strcmp(kv, "timeout") == 0 || strcmp(kv, "join_timeout") == 0) {
+            target = OPT_JOIN_TIMEOUT;
+        } else if (strcmp(kv, "last_call_timeout") == 0) {
+            target = OPT_LAST_CALL;
+        } else if (strcmp(kv, "cacert") == 0 || strcmp(kv, "cert") == 0 || strcmp(kv, "key") == 0) {
+            target = kv[1] == 'a' ? OPT_CACERT : kv[1] == 'e' ? OPT_CERT : OPT_KEY;
+        } else if (strcmp(kv, "protocol") == 0) {
+            if (strcmp(val, "http") != 0 && strcmp(val, "https") != 0) {
+                snprintf(why, len, "protocol '%s' is not http or https", val);
+                return -1;
+            }
+            o->https = strcmp(val, "https") == 0;
+        } else if (strcmp(kv, "keep_alive_interval") == 0) {
+            ka = 1;
+            rc = parse_secs(val, 0.1, 3600, &o->keep_alive_ms);
+        } else if (strcmp(kv, "keep_alive_max_attempt") == 0) {
+            ka = 1;
+            rc = agent_parse_int(val, 1, 1000, &o->keep_alive_attempts);
+        } else if (one_of(kv, unused)) {
+            size_t n = strlen(ignored);
+            snprintf(ignored + n, sizeof(ignored) - n, "%s%s", n ? ", " : "", kv);
+        } else {
+            snprintf(why, len,
+                     "unknown key '%s' (known: timeout, join_timeout, last_call_timeout, "
+                     "keep_alive_interval, keep_alive_max_attempt, cacert, cert, key, protocol, "
+                     "read_timeout, close_timeout, is_host, use_libuv)",
+                     kv);
+            return -1;
+        }
+        if (rc != 0) {
+            snprintf(why, len, "%s: '%s' is not a number in range", kv, val);
+            return -1;
+        }
+        if (target != OPT_COUNT && opt_set(o, target, val, sub, sizeof(sub)) != 0) {
+            snprintf(why, len, "%s: %s", kv, sub);
+            return -1;
+        }
+        if (ka) {
+            /* torch declares a node dead after max_attempt missed keep-alives:
+             * that is the lease TTL. */
+            long ttl = lround(ceil(o->keep_alive_ms / 1000.0 * o->keep_alive_attempts));
+            if (ttl < 2 || ttl > 3600) {
+                snprintf(why, len,
+                         "keep_alive_interval x keep_alive_max_attempt is %ld s: the lease TTL "
+                         "must be 2..3600",
+                         ttl);
+                return -1;
+            }
+            o->lease_ttl_s = (int)ttl;
+        }
+    }
+    if (ignored[0])
+        note(o, OPT_RDZV_CONF,
+             "--rdzv-conf %s ignored: etcd holds the rendezvous (no node hosts a store) and "
+             "the etcd client keeps its own deadlines",
+             ignored);
+    return 0;
 }
 
 /* Sets one option from text; on error writes why (without the flag name). */
@@ -286,9 +559,7 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         snprintf(why, len, "'%s' is not restart or inplace", v);
         return -1;
     case OPT_STANDALONE:
-        if (parse_bool(v, &o->standalone) == 0) return 0;
-        snprintf(why, len, "'%s' is not true or false", v);
-        return -1;
+        return set_bool(v, &o->standalone, why, len);
     case OPT_HTTP_PORT:
         if (agent_parse_int(v, 0, 65535, &o->http_port) == 0) return 0;
         snprintf(why, len, "'%s' is not a port in 0..65535", v);
@@ -316,6 +587,80 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         return o->user = v, 0;
     case OPT_PASSWORD:
         return o->password = v, 0;
+    case OPT_RDZV_BACKEND: {
+        static const char *const names[] = {"etcd-v2", "etcd", "c10d", "static", NULL};
+        if (!one_of(v, names)) {
+            snprintf(why, len, "'%s' is not etcd-v2, etcd, c10d or static", v);
+            return -1;
+        }
+        note(o, id, "--rdzv-backend %s: the rendezvous is etcd (v3 API) at --rdzv-endpoint%s", v,
+             v[0] == 'e' ? "" : ", which must name an etcd, not a torch TCPStore");
+        return 0;
+    }
+    case OPT_RDZV_CONF:
+        return rdzv_conf_set(o, v, why, len);
+    case OPT_MODULE:
+        return set_bool(v, &o->module, why, len);
+    case OPT_NO_PYTHON:
+        return set_bool(v, &o->no_python, why, len);
+    case OPT_RUN_PATH:
+        return set_bool(v, &o->run_path, why, len);
+    case OPT_LOG_DIR:
+        if (*v) return o->log_dir = v, 0;
+        snprintf(why, len, "must not be empty");
+        return -1;
+    case OPT_REDIRECTS:
+    case OPT_TEE:
+        if (agent_logs_std(v, -1) < 0) {
+            snprintf(why, len, "'%s' is not N or LOCAL_RANK:N,... with N 0..3", v);
+            return -1;
+        }
+        *(id == OPT_TEE ? &o->tee : &o->redirects) = v;
+        return 0;
+    case OPT_LOCAL_RANKS_FILTER:
+        if (agent_logs_shown(v, -1) >= 0) return o->ranks_filter = *v ? v : NULL, 0;
+        snprintf(why, len, "'%s' is not a comma-separated list of local ranks", v);
+        return -1;
+    case OPT_LOCAL_ADDR:
+        return opt_set(o, OPT_NODE_ADDR, v, why, len);
+    case OPT_MONITOR_INTERVAL: {
+        int ms;
+        if (parse_secs(v, 0, 86400, &ms) == 0) return 0;
+        snprintf(why, len, "'%s' is not a number of seconds", v);
+        return -1;
+    }
+    case OPT_START_METHOD: {
+        static const char *const names[] = {"spawn", "fork", "forkserver", NULL};
+        if (one_of(v, names)) return 0;
+        snprintf(why, len, "'%s' is not spawn, fork or forkserver", v);
+        return -1;
+    }
+    case OPT_NUMA_BINDING: {
+        static const char *const names[] = {"node", "socket", "exclusive", "core-complex", NULL};
+        if (one_of(v, names)) return 0;
+        snprintf(why, len, "'%s' is not node, socket, exclusive or core-complex", v);
+        return -1;
+    }
+    case OPT_NODE_RANK:
+    case OPT_MASTER_PORT: {
+        int n, port = id == OPT_MASTER_PORT;
+        if (agent_parse_int(v, 0, port ? 65535 : 100000, &n) == 0) return 0;
+        snprintf(why, len, "'%s' is not a %s", v, port ? "port in 0..65535" : "node rank");
+        return -1;
+    }
+    case OPT_VIRTUAL_LOCAL_RANK: {
+        int on;
+        return set_bool(v, &on, why, len);
+    }
+    case OPT_EVENT_LOG_HANDLER:
+    case OPT_LOG_LINE_PREFIX_TEMPLATE:
+    case OPT_DUPLICATE_STDOUT_FILTERS:
+    case OPT_DUPLICATE_STDERR_FILTERS:
+    case OPT_MASTER_ADDR:
+    case OPT_LOGS_SPECS:
+    case OPT_SIGNALS_TO_HANDLE:
+    case OPT_PRINT_COMPLETION:
+        return 0;
     default:
         break;
     }
@@ -323,9 +668,15 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
     return -1;
 }
 
-/* Finds a flag by its name; torchrun's underscore spellings are accepted. */
+/* Finds a flag by its name; torchrun's underscore spellings are accepted.
+ * A name of one letter is a short flag (-m, -r, -t). */
 static int opt_find(const char *name, size_t n)
 {
+    if (n == 1) {
+        for (int i = 0; i < OPT_COUNT; i++)
+            if (agent_opt_table[i].letter == name[0]) return i;
+        return -1;
+    }
     char norm[64];
     if (n >= sizeof(norm)) return -1;
     for (size_t i = 0; i < n; i++)
@@ -353,69 +704,161 @@ static void default_node_addr(agent_opts *o)
     o->node_addr = o->node_addr_buf;
 }
 
+/* Sets option id from text that came from origin (a flag or a variable). */
+static int opt_apply(agent_opts *o, int id, const char *v, const char *origin)
+{
+    char why[400];
+    if (opt_set(o, (agent_opt_id)id, v, why, sizeof(why)) != 0) {
+        agent_early_error("%s: %s", origin, why);
+        return -1;
+    }
+    if (agent_opt_table[id].ignored)
+        note(o, id, "%s is ignored: %s", origin, agent_opt_table[id].ignored);
+    return 0;
+}
+
+/* The command: exactly argv after "--" or with --no-python, else torchrun's
+ * PYTHON -u [-m] SCRIPT ARGS. */
+static int command_build(agent_opts *o, char **argv, int argc, int dashdash)
+{
+    if (o->module && (dashdash || (o->no_python && !o->run_path))) {
+        agent_early_error(dashdash ? "-m: the module must come first, not after --"
+                                   : "--no-python and -m cannot be used together (as in torchrun)");
+        return -1;
+    }
+    if (dashdash || (o->no_python && !o->run_path)) return o->cmd = argv, 0;
+    const char *py = getenv("DUCTILE_PYTHON");
+    if (!py || !*py) py = getenv("PYTHON_EXEC");
+    if (!py || !*py) py = "python3";
+    if (!(o->cmd_buf = calloc((size_t)argc + 4, sizeof(char *)))) {
+        agent_early_error("out of memory");
+        return -1;
+    }
+    int n = 0;
+    o->cmd_buf[n++] = (char *)py;
+    o->cmd_buf[n++] = "-u"; /* as torchrun: unbuffered, so lines come as they are printed */
+    if (o->module) o->cmd_buf[n++] = "-m";
+    for (int i = 0; i < argc; i++)
+        o->cmd_buf[n++] = argv[i];
+    o->cmd = o->cmd_buf;
+    return 0;
+}
+
+/* --rdzv-conf protocol=https: https:// for the endpoints given without a
+ * scheme (torchrun's host:port form), which are otherwise http://. */
+static int endpoints_https(agent_opts *o)
+{
+    size_t len = strlen(o->endpoint);
+    if (!(o->endpoint_buf = malloc(len * 2 + 16))) return -1;
+    char *out = o->endpoint_buf;
+    for (const char *p = o->endpoint; *p;) {
+        size_t n = strcspn(p, ",");
+        const char *sep = strstr(p, "://");
+        out += sprintf(out, "%s%.*s", sep && sep < p + n ? "" : "https://", (int)n, p);
+        p += n;
+        if (*p) *out++ = *p++;
+    }
+    *out = 0;
+    o->endpoint = o->endpoint_buf;
+    return 0;
+}
+
+void agent_opts_free(agent_opts *o)
+{
+    free(o->cmd_buf);
+    free(o->endpoint_buf);
+    for (int i = 0; i < AGENT_CONF_MAX; i++)
+        free(o->conf_buf[i]);
+    o->cmd_buf = NULL;
+    o->endpoint_buf = NULL;
+    memset(o->conf_buf, 0, sizeof(o->conf_buf));
+}
+
 int agent_opts_parse(int argc, char **argv, agent_opts *o)
 {
     memset(o, 0, sizeof(*o));
     char why[300];
+    o->keep_alive_ms = 5000; /* torch's c10d keep-alive defaults */
+    o->keep_alive_attempts = 3;
     for (int i = 0; i < OPT_COUNT; i++) {
         const agent_opt *t = &agent_opt_table[i];
-        if (t->def && i != OPT_NODE_ID && i != OPT_NODE_ADDR && i != OPT_HTTP_PORT &&
+        /* torchrun's own (no DUCTILE_* variable): their defaults are its, shown only */
+        if (t->env && t->def && i != OPT_NODE_ID && i != OPT_NODE_ADDR && i != OPT_HTTP_PORT &&
             i != OPT_STANDALONE && opt_set(o, (agent_opt_id)i, t->def, why, sizeof(why)) != 0)
             abort(); /* the table's defaults are valid */
     }
+    /* DUCTILE_* over PET_*: a variable set for ductile wins over torchrun's. */
     for (int i = 0; i < OPT_COUNT; i++) {
-        const char *v = getenv(agent_opt_table[i].env);
-        if (!v) continue;
-        if (opt_set(o, (agent_opt_id)i, v, why, sizeof(why)) != 0) {
-            agent_early_error("%s: %s", agent_opt_table[i].env, why);
-            return -1;
-        }
+        const agent_opt *t = &agent_opt_table[i];
+        char pet[64];
+        pet_name(t, pet, sizeof(pet));
+        const char *name = t->env && getenv(t->env) ? t->env : t->pet ? pet : NULL;
+        const char *v = name ? getenv(name) : NULL;
+        if (v && opt_apply(o, i, v, name) != 0) return -1;
     }
-    int i = 1;
+    int i = 1, dashdash = 0;
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--") == 0) {
             i++;
+            dashdash = 1;
             break;
         }
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage(stdout);
             return 1;
         }
-        if (strncmp(a, "--", 2) != 0) break; /* the command starts here */
-        const char *name = a + 2;
-        const char *eq = strchr(name, '=');
-        size_t n = eq ? (size_t)(eq - name) : strlen(name);
+        if (a[0] != '-' || !a[1]) break; /* the command starts here, as in torchrun */
+        /* --flag, --flag=V, --flag V; -m; -r V, -rV, -r=V */
+        const char *name = a[1] == '-' ? a + 2 : a + 1;
+        const char *inline_v = NULL;
+        size_t n;
+        if (a[1] == '-') {
+            const char *eq = strchr(name, '=');
+            n = eq ? (size_t)(eq - name) : strlen(name);
+            inline_v = eq ? eq + 1 : NULL;
+        } else {
+            n = 1;
+            inline_v = a[2] ? a + 2 + (a[2] == '=') : NULL;
+        }
         int id = opt_find(name, n);
-        if (id < 0) {
+        if (id < 0 || (n == 1 && a[1] == '-')) {
             agent_early_error("unknown option '%s' (see --help)", a);
             return -1;
         }
         const agent_opt *t = &agent_opt_table[id];
         const char *v;
         if (!t->arg) {
-            v = eq ? eq + 1 : "true";
-        } else if (eq) {
-            v = eq + 1;
+            if (inline_v && a[1] != '-') {
+                agent_early_error("unknown option '%s' (see --help)", a);
+                return -1;
+            }
+            v = inline_v ? inline_v : "true";
+        } else if (inline_v) {
+            v = inline_v;
         } else if (i + 1 < argc) {
             v = argv[++i];
         } else {
             agent_early_error("--%s needs a value (%s)", t->flag, t->arg);
             return -1;
         }
-        if (opt_set(o, (agent_opt_id)id, v, why, sizeof(why)) != 0) {
-            agent_early_error("--%s: %s", t->flag, why);
-            return -1;
-        }
+        char origin[80];
+        snprintf(origin, sizeof(origin), "--%s", t->flag);
+        if (opt_apply(o, id, v, origin) != 0) return -1;
     }
     if (i >= argc) {
-        agent_early_error("no worker command given (ductile-agent [options] -- COMMAND ARGS...)");
+        agent_early_error("no worker command given (ductile-agent [options] -- COMMAND ARGS..., "
+                          "or SCRIPT.py ARGS... as with torchrun)");
         return -1;
     }
-    o->cmd = argv + i;
+    if (command_build(o, argv + i, argc - i, dashdash) != 0) return -1;
     if (!o->standalone && !o->endpoint) {
         agent_early_error(
             "--rdzv-endpoint (DUCTILE_RDZV_ENDPOINT) is required unless --standalone");
+        return -1;
+    }
+    if (o->https && o->endpoint && endpoints_https(o) != 0) {
+        agent_early_error("out of memory");
         return -1;
     }
     if (!o->job) {

@@ -2,8 +2,9 @@
  *
  * Each worker is a child in its own process group (so a signal reaches a
  * shell wrapper's children too) with three channels to the agent: its stdout
- * and stderr pipes, passed through line by line with a "[rank] " prefix, and
- * one end of a socketpair as DUCTILE_CONTROL_FD. Children die with the agent
+ * and stderr pipes, passed through line by line with a "[rank] " prefix (and
+ * written to torchrun's per-rank files, logs.h, when asked), and one end of a
+ * socketpair as DUCTILE_CONTROL_FD. Children die with the agent
  * (PR_SET_PDEATHSIG), as they would with the pod. Everything a child needs is
  * built before fork(): between fork and exec only async-signal-safe calls run,
  * because the agent has other threads (rendezvous driver, HTTP server).
@@ -21,6 +22,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -76,7 +78,7 @@ static void env_free(char **env)
 
 /* The environment of local rank lr: the agent's own, minus the names above,
  * plus the round's values. */
-static char **env_build(const agent_round_env *r, int lr)
+static char **env_build(const agent_round_env *r, int lr, const char *error_file)
 {
     int inherited = 0;
     while (environ[inherited])
@@ -105,6 +107,7 @@ static char **env_build(const agent_round_env *r, int lr)
     bad |= env_add(env, &n, "TORCHELASTIC_RESTART_COUNT", "%lld", (long long)r->restarts);
     bad |= env_add(env, &n, "TORCHELASTIC_MAX_RESTARTS", "%d", r->max_restarts);
     bad |= env_add(env, &n, "TORCHELASTIC_RUN_ID", "%s", r->job);
+    if (error_file) bad |= env_add(env, &n, "TORCHELASTIC_ERROR_FILE", "%s", error_file);
     bad |= env_add(env, &n, CTL_ENV_ENDPOINTS, "%s", r->etcd.endpoints);
     bad |= env_add(env, &n, CTL_ENV_JOB, "%s", r->job);
     bad |= env_add(env, &n, CTL_ENV_ROUND, "%lld", (long long)r->round);
@@ -163,17 +166,62 @@ static void child_exec(pid_t parent, int out_w, int err_w, int ctl_w, char *cons
     _exit(127);
 }
 
+/* torchrun's files of local rank lr (logs.h): <attempt>/<lr>/ with the
+ * error file (emptied) and the log file of each stream sent to one. */
+static int logs_open(agent_worker *w, const agent_logs *l, int lr, char *msg, size_t msglen)
+{
+    char dir[4200], path[4300];
+    snprintf(dir, sizeof(dir), "%s/%d", l->attempt_dir, lr);
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        snprintf(msg, msglen, "%s: %s", dir, strerror(errno));
+        return -1;
+    }
+    snprintf(path, sizeof(path), "%s/error.json", dir);
+    if (!(w->error_file = strdup(path))) {
+        snprintf(msg, msglen, "out of memory");
+        return -1;
+    }
+    unlink(path); /* a round's error is its own */
+    int files = agent_logs_std(l->redirects, lr) | agent_logs_std(l->tee, lr);
+    w->console = agent_logs_shown(l->ranks_filter, lr) == 1 ? AGENT_STD_OUT | AGENT_STD_ERR : 0;
+    w->console &= ~(unsigned)agent_logs_std(l->redirects, lr); /* redirected: the file only */
+    for (int s = AGENT_STD_OUT; s <= AGENT_STD_ERR; s++) {
+        if (!(files & s)) continue;
+        snprintf(path, sizeof(path), "%s/%s", dir,
+                 s == AGENT_STD_OUT ? "stdout.log" : "stderr.log");
+        int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        if (fd < 0) {
+            snprintf(msg, msglen, "%s: %s", path, strerror(errno));
+            return -1;
+        }
+        *(s == AGENT_STD_OUT ? &w->out_log : &w->err_log) = fd;
+    }
+    return 0;
+}
+
+static void logs_close(agent_worker *w)
+{
+    close_fd(&w->out_log);
+    close_fd(&w->err_log);
+    free(w->error_file);
+    w->error_file = NULL;
+}
+
 static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *const argv[],
                      char *msg, size_t msglen)
 {
     int out[2] = {-1, -1}, errp[2] = {-1, -1}, ctl[2] = {-1, -1};
     char **envp = NULL;
+    memset(w, 0, sizeof(*w));
+    w->out_log = w->err_log = -1;
+    w->console = AGENT_STD_OUT | AGENT_STD_ERR;
+    if (env->logs && logs_open(w, env->logs, lr, msg, msglen) != 0) goto err;
     if (pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) ||
         socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ctl)) {
         snprintf(msg, msglen, "cannot create worker pipes: %s", strerror(errno));
         goto err;
     }
-    if (!(envp = env_build(env, lr))) {
+    if (!(envp = env_build(env, lr, w->error_file))) {
         snprintf(msg, msglen, "cannot build the worker environment");
         goto err;
     }
@@ -189,7 +237,6 @@ static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *
     close(out[1]);
     close(errp[1]);
     close(ctl[1]);
-    memset(w, 0, sizeof(*w));
     w->pid = pid;
     w->local_rank = lr;
     w->rank = env->first_rank + lr;
@@ -202,6 +249,7 @@ static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *
     return 0;
 err:
     env_free(envp);
+    logs_close(w);
     for (int i = 0; i < 2; i++) {
         close_fd(&out[i]);
         close_fd(&errp[i]);
@@ -278,19 +326,25 @@ agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status)
     return NULL;
 }
 
-static void emit_line(int out, int rank, const char *line, size_t len)
+/* One line of stream s (AGENT_STD_*): to the console as "[rank] line",
+ * to the stream's log file as it is. */
+static void emit_line(const agent_worker *w, int s, const char *line, size_t len)
 {
     char buf[CTL_MAX_LINE + 64];
-    int n = snprintf(buf, sizeof(buf), "[%d] %.*s\n", rank, (int)len, line);
+    int n = snprintf(buf, sizeof(buf), "[%d] %.*s\n", w->rank, (int)len, line);
     if (n <= 0) return;
     if ((size_t)n >= sizeof(buf)) n = sizeof(buf) - 1;
-    ssize_t ignored = write(out, buf, (size_t)n);
+    ssize_t ignored;
+    if (w->console & (unsigned)s) ignored = write(s == AGENT_STD_OUT ? 1 : 2, buf, (size_t)n);
+    int file = s == AGENT_STD_OUT ? w->out_log : w->err_log;
+    char *raw = strchr(buf, ' ') + 1; /* the line and its newline */
+    if (file >= 0) ignored = write(file, raw, (size_t)(buf + n - raw));
     (void)ignored;
 }
 
-static void linebuf_flush(agent_linebuf *lb, int out, int rank)
+static void linebuf_flush(agent_linebuf *lb, const agent_worker *w, int s)
 {
-    if (lb->len) emit_line(out, rank, lb->buf, lb->len);
+    if (lb->len) emit_line(w, s, lb->buf, lb->len);
     lb->len = 0;
 }
 
@@ -299,14 +353,14 @@ void agent_workers_read_output(agent_workers *ws, agent_worker *w, int fd)
     (void)ws;
     int is_out = fd == w->out_fd;
     agent_linebuf *lb = is_out ? &w->out : &w->err;
-    int dest = is_out ? 1 : 2;
+    int dest = is_out ? AGENT_STD_OUT : AGENT_STD_ERR;
     char chunk[4096];
     for (int rounds = 0; rounds < 16; rounds++) {
         ssize_t got = read(fd, chunk, sizeof(chunk));
         if (got < 0 && errno == EINTR) continue;
         if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
         if (got <= 0) { /* EOF or error: the worker closed its end */
-            linebuf_flush(lb, dest, w->rank);
+            linebuf_flush(lb, w, dest);
             if (is_out)
                 close_fd(&w->out_fd);
             else
@@ -316,10 +370,10 @@ void agent_workers_read_output(agent_workers *ws, agent_worker *w, int fd)
         for (ssize_t i = 0; i < got; i++) {
             char c = chunk[i];
             if (c == '\n') {
-                emit_line(dest, w->rank, lb->buf, lb->len);
+                emit_line(w, dest, lb->buf, lb->len);
                 lb->len = 0;
             } else {
-                if (lb->len == CTL_MAX_LINE) linebuf_flush(lb, dest, w->rank);
+                if (lb->len == CTL_MAX_LINE) linebuf_flush(lb, w, dest);
                 lb->buf[lb->len++] = c;
             }
         }
@@ -333,11 +387,12 @@ void agent_workers_free(agent_workers *ws)
         /* What is still in the pipes belongs in the log. */
         if (w->out_fd >= 0) agent_workers_read_output(ws, w, w->out_fd);
         if (w->err_fd >= 0) agent_workers_read_output(ws, w, w->err_fd);
-        linebuf_flush(&w->out, 1, w->rank);
-        linebuf_flush(&w->err, 2, w->rank);
+        linebuf_flush(&w->out, w, AGENT_STD_OUT);
+        linebuf_flush(&w->err, w, AGENT_STD_ERR);
         close_fd(&w->out_fd);
         close_fd(&w->err_fd);
         close_fd(&w->ctl_fd);
+        logs_close(w);
     }
     free(ws->w);
     memset(ws, 0, sizeof(*ws));
@@ -358,4 +413,9 @@ void agent_worker_describe(const agent_worker *w, char *out, size_t len)
     } else {
         snprintf(out, len, "ended with status %d", w->status);
     }
+    char what[512];
+    size_t used = strlen(out);
+    int failed = w->exited && !(WIFEXITED(w->status) && WEXITSTATUS(w->status) == 0);
+    if (failed && used < len && agent_logs_error_message(w->error_file, what, sizeof(what)) == 0)
+        snprintf(out + used, len - used, ": %s", what);
 }

@@ -9,6 +9,8 @@
 #ifndef DUCTILE_AGENT_WORKERS_H
 #define DUCTILE_AGENT_WORKERS_H
 
+#include "logs.h"
+
 #include "ductile/control.h"
 #include "ductile/log.h"
 #include "ductile/rdzv.h"
@@ -44,6 +46,10 @@ typedef struct agent_worker {
     char hung[200];            /* why the watchdog killed it; "" if it did not */
     int failed_reported;       /* sent "failed" in this round */
     unsigned sent;             /* bit 1u << sig for each signal the agent sent it */
+    /* torchrun's files (logs.h): -1 when a stream has none. */
+    int out_log, err_log;
+    unsigned console; /* AGENT_STD_* bits of the streams shown on the console */
+    char *error_file; /* TORCHELASTIC_ERROR_FILE; NULL without logs */
 } agent_worker;
 
 typedef struct agent_workers {
@@ -68,7 +74,8 @@ typedef struct agent_round_env {
     const char *job;
     const char *role;
     const char *store_prefix;
-    rdzv_etcd etcd; /* endpoints, and the credentials passed on (CTL_ENV_CREDENTIALS) */
+    rdzv_etcd etcd;         /* endpoints, and the credentials passed on (CTL_ENV_CREDENTIALS) */
+    const agent_logs *logs; /* its attempt directory made; NULL: no files */
 } agent_round_env;
 
 /* Starts env->local_world_size workers running argv. 0 on success; on
@@ -87,11 +94,13 @@ int agent_worker_first_hand(const agent_worker *w);
 /* Records the exit of pid; returns the worker or NULL if not ours. */
 agent_worker *agent_workers_reaped(agent_workers *ws, pid_t pid, int status);
 /* Reads what is readable on fd (a worker's out/err pipe) and passes whole
- * lines through with a "[rank] " prefix; closes the fd at EOF. */
+ * lines through with a "[rank] " prefix, and as they are to the stream's
+ * log file if it has one; closes the fd at EOF. */
 void agent_workers_read_output(agent_workers *ws, agent_worker *w, int fd);
 /* Closes every fd and frees the array (workers must all be reaped). */
 void agent_workers_free(agent_workers *ws);
-/* Describes how a worker ended ("exited with code 1", "killed by SIGSEGV"). */
+/* Describes how a worker ended ("exited with code 1", "killed by SIGSEGV"),
+ * with the first line of its error file's message after a failure. */
 void agent_worker_describe(const agent_worker *w, char *out, size_t len);
 
 /* ---- the control channel (control.c) ---- */

@@ -117,6 +117,7 @@
     X("TORCHELASTIC_RESTART_COUNT", "failures counted so far")                                     \
     X("TORCHELASTIC_MAX_RESTARTS", "--max-restarts")                                               \
     X("TORCHELASTIC_RUN_ID", "--rdzv-id")                                                          \
+    X("TORCHELASTIC_ERROR_FILE", "where torch's @record writes the worker's error")                \
     X(CTL_ENV_ENDPOINTS, "the etcd endpoints, comma-separated")                                    \
     X(CTL_ENV_JOB, "the job id (--rdzv-id)")                                                       \
     X(CTL_ENV_ROUND, "the round the worker was started in")                                        \
