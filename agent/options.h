@@ -29,6 +29,7 @@ typedef struct agent_opts {
     int json_log;
     int leave_exit_code;
     const char *role;
+    const char *preload; /* --preload: auto, none or MODULE[,MODULE...] */
     const char *cacert, *cert, *key, *user, *password;
     char **cmd;
     char node_id_buf[RDZV_NODE_ID_MAX + 1];
