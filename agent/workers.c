@@ -3,7 +3,9 @@
  * Each worker is a child in its own process group (so a signal reaches a
  * shell wrapper's children too) with three channels to the agent: its stdout
  * and stderr pipes, passed through line by line with a "[rank] " prefix, and
- * one end of a socketpair as DUCTILE_CONTROL_FD. Children die with the agent
+ * one end of a socketpair as DUCTILE_CONTROL_FD. A warm spare (warm.c) is
+ * started the same way, with a go pipe besides, and a launch may adopt it
+ * as a rank's worker instead of forking one. Children die with the agent
  * (PR_SET_PDEATHSIG), as they would with the pod. Everything a child needs is
  * built before fork(): between fork and exec only async-signal-safe calls run,
  * because the agent has other threads (rendezvous driver, HTTP server).
