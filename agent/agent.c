@@ -1129,8 +1129,9 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
         goto out;
     }
     if (a.warm.argv)
-        dlog_info(&a.lg, "spares", "%d warm interpreters with %s imported wait for restarts",
-                  o->nproc, a.warm.modules);
+        dlog_info(&a.lg, "spares",
+                  "a warm interpreter per local worker imports %s ahead of each launch",
+                  a.warm.modules);
     else if (strcmp(o->preload, "auto") == 0)
         dlog_debug(&a.lg, "no_spares", "no warm interpreters: %s", why);
     else if (strcmp(o->preload, "none") != 0)

@@ -34,20 +34,24 @@ extern char **environ;
 static const char *const agent_env_names[] = {CTL_ENV_VARS(AGENT_ENV_NAME) NULL};
 #undef AGENT_ENV_NAME
 
+/* 1 when entry is NAME=... */
+static int env_named(const char *entry, const char *name)
+{
+    size_t n = strlen(name);
+    return strncmp(entry, name, n) == 0 && entry[n] == '=';
+}
+
 static int env_is_ours(const char *entry)
 {
-    for (int i = 0; agent_env_names[i]; i++) {
-        size_t n = strlen(agent_env_names[i]);
-        if (strncmp(entry, agent_env_names[i], n) == 0 && entry[n] == '=') return 1;
-    }
+    for (int i = 0; agent_env_names[i]; i++)
+        if (env_named(entry, agent_env_names[i])) return 1;
     return 0;
 }
 
 static int env_has(char **env, int n, const char *name)
 {
-    size_t len = strlen(name);
     for (int i = 0; i < n; i++)
-        if (strncmp(env[i], name, len) == 0 && env[i][len] == '=') return 1;
+        if (env_named(env[i], name)) return 1;
     return 0;
 }
 
@@ -157,6 +161,13 @@ char **agent_spare_env(int local_world_size, const char *name, const char *value
     int n = 0;
     char **env = env_inherit(2, &n);
     if (!env) return NULL;
+    /* name is the agent's to set: an inherited value goes. */
+    for (int i = 0; i < n; i++) {
+        if (!env_named(env[i], name)) continue;
+        free(env[i]);
+        env[i--] = env[--n];
+        env[n] = NULL;
+    }
     int bad = env_add_threads(env, &n, local_world_size);
     bad |= env_add(env, &n, name, "%s", value);
     env[n] = NULL;

@@ -1000,6 +1000,17 @@ def warm_spares(job, agents):
     return found if all(a.proc.pid in found for a in agents) else None
 
 
+def warm_spare_killed(job, ag):
+    """SIGKILLs ag's spare and returns the one its agent starts instead."""
+    first = wait_for(lambda: warm_spares(job, [ag]), 60, "a spare")[ag.proc.pid]
+    os.kill(first["pid"], signal.SIGKILL)
+
+    def other():
+        s = warm_spares(job, [ag])
+        return s and s[ag.proc.pid]["pid"] != first["pid"] and s[ag.proc.pid]
+    return wait_for(other, 60, "a spare started again after %d was killed" % first["pid"])
+
+
 def warm_round(job, world, newer_than=0):
     """The newest round above newer_than whose `world` workers all wrote a
     record, as (round, records), or None."""
@@ -1105,9 +1116,29 @@ def warm_spare_cases(job, py):
     # python -m MODULE: the module's file is argv[0], the folder it runs in sys.path[0].
     mcmd = [py, "-m", "warm_worker", "m-arg"]
     mplain = warm_plain(mcmd)
-    j, m = warm_alone(job, "module", "warm_marker", mcmd, ["--max-restarts", "1"])
-    spares, killed_at, _, recs = warm_kill_restart(j, [m], 1, m)
-    check_adopted(recs[0], spares[m.proc.pid], mplain, killed_at, "-m")
+    j, m = warm_alone(job, "module", "warm_marker", mcmd, ["--max-restarts", "2"])
+    r1, _ = wait_for(lambda: warm_round(j, 1), 60, "-m: the first round's worker")
+    # A spare that dies is reaped as no worker (the round goes on) and started again.
+    second = warm_spare_killed(j, m)
+    check(warm_round(j, 1)[0] == r1 and len(warm_files(j, "ww")) == 1,
+          "-m: a spare's death ended the round:\n" + m.log())
+    check("stopping the other workers" not in m.log(), "-m: a spare taken for a worker")
+    killed_at = time.time()
+    os.kill(warm_files(j, "ww")[0]["pid"], signal.SIGKILL)
+    r2, recs = wait_for(lambda: warm_round(j, 1, newer_than=r1), 60, "-m: the restarted worker")
+    check_adopted(recs[0], second, mplain, killed_at, "-m")
+    # Started again once a round: after two deaths the next restart starts cold.
+    fourth = warm_spare_killed(j, m)
+    markers = len(warm_files(j, "marker"))
+    os.kill(fourth["pid"], signal.SIGKILL)
+    time.sleep(2)  # a spare is started again as soon as its death is reaped
+    check(len(warm_files(j, "marker")) == markers and not warm_spares(j, [m]),
+          "-m: a third spare in one round:\n" + m.log())
+    os.kill(recs[0]["pid"], signal.SIGKILL)
+    r3, recs = wait_for(lambda: warm_round(j, 1, newer_than=r2), 60, "-m: the cold worker")
+    check(not recs[0]["marker"], "-m: the worker after two spare deaths started cold")
+    check("round %d: started 1 workers, ranks 0..0 (0 from a warm interpreter" % r3 in m.log(),
+          "-m: the launch says it started cold:\n" + m.log())
     j.command("all", "exit 0")
     check(m.wait_exit(30) == 0, "-m: the job completes:\n%s" % m.log())
 
