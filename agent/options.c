@@ -113,7 +113,7 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                      "list) imported, adopted by the next launch so a restart skips the "
                      "import; auto: torch when the command is python SCRIPT or python -m "
                      "MODULE (restart mode); none: no spares. Each spare holds the memory of "
-                     "an interpreter with its modules (hundreds of MB with torch)"},
+                     "an interpreter with its modules (about 0.5 GB resident with torch)"},
     [OPT_CACERT] = {"etcd-cacert", "DUCTILE_ETCD_CACERT", "FILE", NULL,
                     "CA certificate to verify etcd (PEM)"},
     [OPT_CERT] = {"etcd-cert", "DUCTILE_ETCD_CERT", "FILE", NULL, "client certificate (PEM)"},
