@@ -9,6 +9,8 @@
  * wait has a deadline (the SIGKILL after a grace, the shutdown budget),
  * kept in the agent and turned into the poll timeout. A task's answer may
  * come after its round has moved on; each handler checks what still stands.
+ * Warm spares (warm.c, --preload) are children too: a launch adopts them as
+ * workers, and one that dies before that is reaped apart from the workers.
  * The round state machine:
  *
  *   RDZV --frozen--> RUNNING --round ended / worker failed--> STOPPING --all gone--> RDZV

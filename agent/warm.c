@@ -254,10 +254,14 @@ int agent_warm_reaped(agent_warm *wm, pid_t pid, int status, const dlog *lg)
         agent_spare *sp = &wm->s[i];
         if (sp->w.pid != pid) continue;
         kill(-pid, SIGKILL); /* what it started goes with it */
+        sp->w.exited = 1;
+        sp->w.status = status;
+        char how[128];
+        agent_worker_describe(&sp->w, how, sizeof(how));
         /* What it printed is not a worker's: left unread. */
         spare_clear(sp, 1);
-        dlog_info(lg, "spare_exited", "local rank %d: the warm interpreter %d ended (status %d)", i,
-                  (int)pid, status);
+        dlog_info(lg, "spare_exited", "local rank %d: the warm interpreter %d %s", i, (int)pid,
+                  how);
         return 1;
     }
     return 0;

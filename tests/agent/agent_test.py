@@ -1008,7 +1008,10 @@ def warm_spare_killed(job, ag):
     def other():
         s = warm_spares(job, [ag])
         return s and s[ag.proc.pid]["pid"] != first["pid"] and s[ag.proc.pid]
-    return wait_for(other, 60, "a spare started again after %d was killed" % first["pid"])
+    again = wait_for(other, 60, "a spare started again after %d was killed" % first["pid"])
+    check("the warm interpreter %d was killed by SIGKILL" % first["pid"] in ag.log(),
+          "the agent reaped its spare as one:\n" + ag.log())
+    return again
 
 
 def warm_round(job, world, newer_than=0):
