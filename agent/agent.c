@@ -9,6 +9,8 @@
  * wait has a deadline (the SIGKILL after a grace, the shutdown budget),
  * kept in the agent and turned into the poll timeout. A task's answer may
  * come after its round has moved on; each handler checks what still stands.
+ * Warm spares (warm.c, --preload) are children too: a launch adopts them as
+ * workers, and one that dies before that is reaped apart from the workers.
  * The round state machine:
  *
  *   RDZV --frozen--> RUNNING --round ended / worker failed--> STOPPING --all gone--> RDZV
@@ -22,6 +24,7 @@
 #include "options.h"
 #include "standalone.h"
 #include "task.h"
+#include "warm.h"
 #include "watchdog.h"
 #include "workers.h"
 
@@ -63,6 +66,7 @@ typedef struct agent {
     int sigfd;
     agent_workers ws;
     agent_logs logs;   /* torchrun's per-worker files and error files */
+    agent_warm warm;   /* warm spare interpreters for the next launch (--preload) */
     agent_watchdog wd; /* the progress watchdog (--hang-timeout) */
     rdzv_round round;  /* current or last round; number 0 = none yet */
     int in_round;      /* round is frozen and has not ended */
@@ -551,8 +555,9 @@ static void launch_round(agent *a, const char *maddr, int mport)
                            .etcd = a->etcd,
                            .logs = &a->logs};
     char msg[AGENT_MSG_MAX];
+    int warm = 0;
     if (agent_logs_attempt(&a->logs, rd->restarts, msg, sizeof(msg)) != 0 ||
-        agent_workers_spawn(&a->ws, &env, a->o->cmd, msg, sizeof(msg)) != 0) {
+        agent_workers_spawn(&a->ws, &env, a->o->cmd, &a->warm, &warm, msg, sizeof(msg)) != 0) {
         dlog_error(&a->lg, "spawn_failed", "round %lld: cannot start workers: %s",
                    (long long)rd->number, msg);
         a->state = AGENT_RDZV;
@@ -562,9 +567,16 @@ static void launch_round(agent *a, const char *maddr, int mport)
     }
     a->ws_gen++;
     a->state = AGENT_RUNNING;
-    dlog_info(&a->lg, "workers_started", "round %lld: started %d workers, ranks %d..%d",
+    char how[160] = "";
+    if (a->warm.argv)
+        snprintf(how, sizeof(how), " (%d from a warm interpreter: %.100s preloaded)", warm,
+                 a->warm.modules);
+    dlog_info(&a->lg, "workers_started", "round %lld: started %d workers, ranks %d..%d%s",
               (long long)rd->number, a->o->nproc, me->first_global_rank,
-              me->first_global_rank + a->o->nproc - 1);
+              me->first_global_rank + a->o->nproc - 1, how);
+    /* The next restart's spares import while this round trains. */
+    agent_warm_new_round(&a->warm);
+    agent_warm_fill(&a->warm, &a->lg);
     /* In inplace mode a fresh worker also gets the round on its channel, so
      * a trainer reads its round the same way every time. */
     if (a->o->inplace) send_round(a, me, maddr, mport, prefix);
@@ -805,6 +817,14 @@ static void on_finish(agent *a)
     finish_done(a, (rdzv_err)e);
 }
 
+/* A spare that died is started again (once a round) while another launch
+ * may still come. */
+static int spares_wanted(const agent *a)
+{
+    return !a->done && a->exit_after_stop < 0 && a->state != AGENT_SHUTDOWN &&
+           a->state != AGENT_DRAINING && a->state != AGENT_FINISHING;
+}
+
 static void on_reaped(agent *a, pid_t pid, int status)
 {
     if (pid == a->sa.pid) {
@@ -815,6 +835,10 @@ static void on_reaped(agent *a, pid_t pid, int status)
         if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
         stop_workers(a, a->o->stop_grace_ms);
         if (!workers_alive(a)) agent_finish(a, 1, a->why);
+        return;
+    }
+    if (agent_warm_reaped(&a->warm, pid, status, &a->lg)) {
+        if (spares_wanted(a)) agent_warm_fill(&a->warm, &a->lg);
         return;
     }
     if (!a->ws.w) return;
@@ -1116,6 +1140,23 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
               "joining job %s at %s as node %s (%s), %d workers, nodes %d:%d, rebuild %s", o->job,
               a.etcd.endpoints, o->node_id, o->node_addr, o->nproc, o->min_nodes, o->max_nodes,
               o->inplace ? "inplace" : "restart");
+    /* The spares import while the rendezvous forms. */
+    char why[AGENT_MSG_MAX];
+    if (agent_warm_init(&a.warm, o->cmd, o->preload, o->inplace, o->nproc, why, sizeof(why)) != 0) {
+        dlog_error(&a.lg, "spare_failed", "out of memory");
+        a.exit_code = AGENT_EXIT_ERROR;
+        goto out;
+    }
+    if (a.warm.argv)
+        dlog_info(&a.lg, "spares",
+                  "a warm interpreter per local worker imports %s ahead of each launch",
+                  a.warm.modules);
+    else if (strcmp(o->preload, "auto") == 0)
+        dlog_debug(&a.lg, "no_spares", "no warm interpreters: %s", why);
+    else if (strcmp(o->preload, "none") != 0)
+        dlog_info(&a.lg, "no_spares", "no warm interpreters despite --preload %s: %s", o->preload,
+                  why);
+    agent_warm_fill(&a.warm, &a.lg);
     msg[0] = 0;
     rdzv_err err = rdzv_open(&a.cfg, &a.rz, msg);
     if (err == RDZV_ERR_JOB_DONE) {
@@ -1151,6 +1192,7 @@ out:
             if (!a.ws.w[i].exited && a.ws.w[i].pid > 0) waitpid(a.ws.w[i].pid, NULL, 0);
         agent_workers_free(&a.ws);
     }
+    agent_warm_free(&a.warm);
     agent_master_cancel(&a.master);
     agent_task_cancel(&a.report);
     agent_task_cancel(&a.finish);

@@ -4,7 +4,9 @@
  * over to agent_run(), which joins the job, runs the workers round after
  * round, and returns what the process exits with: one of AGENT_EXIT_*.
  * agent.c is the one file that includes the other modules' headers
- * (options.h, workers.h, http.h, standalone.h); none of them includes this.
+ * (options.h, workers.h, warm.h, http.h, standalone.h); none of them
+ * includes this. workers.c and warm.c use each other: a warm spare is
+ * started as a worker is, and a launch adopts it as one.
  */
 #ifndef DUCTILE_AGENT_AGENT_H
 #define DUCTILE_AGENT_AGENT_H

@@ -53,6 +53,7 @@ typedef enum {
     OPT_LOG_FORMAT,
     OPT_LEAVE_EXIT_CODE,
     OPT_ROLE,
+    OPT_PRELOAD,
     OPT_CACERT,
     OPT_CERT,
     OPT_KEY,
@@ -155,6 +156,12 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                              "SIGTERM/SIGINT (5 under a Kubernetes Job: the pod is replaced, "
                              "not complete)"},
     [OPT_ROLE] = {"role", "DUCTILE_ROLE", "NAME", "default", "ROLE_NAME given to workers", 1},
+    [OPT_PRELOAD] = {"preload", "DUCTILE_PRELOAD", "auto|none|MODULES", "auto",
+                     "keep a warm spare Python per local worker with these modules (comma "
+                     "list) imported, adopted by the next launch so a restart skips the "
+                     "import; auto: torch when the command is python SCRIPT or python -m "
+                     "MODULE (restart mode); none: no spares. Each spare holds the memory of "
+                     "an interpreter with its modules (about 0.5 GB resident with torch)"},
     [OPT_CACERT] = {"etcd-cacert", "DUCTILE_ETCD_CACERT", "FILE", NULL,
                     "CA certificate to verify etcd (PEM)"},
     [OPT_CERT] = {"etcd-cert", "DUCTILE_ETCD_CERT", "FILE", NULL, "client certificate (PEM)"},
@@ -329,6 +336,41 @@ static int parse_bool(const char *s, int *out)
     for (size_t i = 0; i < 5; i++)
         if (strcasecmp(s, no[i]) == 0) return *out = 0, 0;
     return -1;
+}
+
+#define PRELOAD_MAX 256 /* --preload's longest value */
+
+/* A dotted Python name: identifiers joined by single dots. */
+static int module_name_valid(const char *s, size_t n)
+{
+    int at_start = 1;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '.') {
+            if (at_start) return 0;
+            at_start = 1;
+        } else if (isalpha(c) || c == '_' || (!at_start && isdigit(c))) {
+            at_start = 0;
+        } else {
+            return 0;
+        }
+    }
+    return n > 0 && !at_start;
+}
+
+/* auto, none, or MODULE[,MODULE...]. */
+static int preload_valid(const char *preload)
+{
+    if (strcmp(preload, "auto") == 0 || strcmp(preload, "none") == 0) return 1;
+    size_t len = strlen(preload);
+    if (len == 0 || len > PRELOAD_MAX) return 0;
+    for (const char *p = preload;;) {
+        const char *comma = strchr(p, ',');
+        size_t n = comma ? (size_t)(comma - p) : strlen(p);
+        if (!module_name_valid(p, n)) return 0;
+        if (!comma) return 1;
+        p = comma + 1;
+    }
 }
 
 /* GPUs on this node, as the NVIDIA driver's device files show them. */
@@ -576,6 +618,13 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
     case OPT_ROLE:
         if (*v && !strpbrk(v, " \t\n")) return o->role = v, 0;
         snprintf(why, len, "'%s' is not a role name", v);
+        return -1;
+    case OPT_PRELOAD:
+        if (preload_valid(v)) return o->preload = v, 0;
+        snprintf(why, len,
+                 "'%.100s' is not auto, none or a comma list of Python module names (at most "
+                 "%d characters)",
+                 v, PRELOAD_MAX);
         return -1;
     case OPT_CACERT:
         return o->cacert = v, 0;

@@ -33,6 +33,7 @@ typedef struct agent_opts {
     int json_log;
     int leave_exit_code;
     const char *role;
+    const char *preload; /* --preload: auto, none or MODULE[,MODULE...] */
     const char *cacert, *cert, *key, *user, *password;
     /* torchrun's */
     int module, no_python, run_path;

@@ -4,12 +4,15 @@
  * shell wrapper's children too) with three channels to the agent: its stdout
  * and stderr pipes, passed through line by line with a "[rank] " prefix (and
  * written to torchrun's per-rank files, logs.h, when asked), and one end of a
- * socketpair as DUCTILE_CONTROL_FD. Children die with the agent
+ * socketpair as DUCTILE_CONTROL_FD. A warm spare (warm.c) is
+ * started the same way, with a go pipe besides, and a launch may adopt it
+ * as a rank's worker instead of forking one. Children die with the agent
  * (PR_SET_PDEATHSIG), as they would with the pod. Everything a child needs is
  * built before fork(): between fork and exec only async-signal-safe calls run,
  * because the agent has other threads (rendezvous driver, HTTP server).
  */
 #include "workers.h"
+#include "warm.h"
 
 #include "ductile/control.h"
 
@@ -33,20 +36,24 @@ extern char **environ;
 static const char *const agent_env_names[] = {CTL_ENV_VARS(AGENT_ENV_NAME) NULL};
 #undef AGENT_ENV_NAME
 
+/* 1 when entry is NAME=... */
+static int env_named(const char *entry, const char *name)
+{
+    size_t n = strlen(name);
+    return strncmp(entry, name, n) == 0 && entry[n] == '=';
+}
+
 static int env_is_ours(const char *entry)
 {
-    for (int i = 0; agent_env_names[i]; i++) {
-        size_t n = strlen(agent_env_names[i]);
-        if (strncmp(entry, agent_env_names[i], n) == 0 && entry[n] == '=') return 1;
-    }
+    for (int i = 0; agent_env_names[i]; i++)
+        if (env_named(entry, agent_env_names[i])) return 1;
     return 0;
 }
 
 static int env_has(char **env, int n, const char *name)
 {
-    size_t len = strlen(name);
     for (int i = 0; i < n; i++)
-        if (strncmp(env[i], name, len) == 0 && env[i][len] == '=') return 1;
+        if (env_named(env[i], name)) return 1;
     return 0;
 }
 
@@ -76,21 +83,43 @@ static void env_free(char **env)
     free(env);
 }
 
-/* The environment of local rank lr: the agent's own, minus the names above,
- * plus the round's values. */
-static char **env_build(const agent_round_env *r, int lr, const char *error_file)
+/* The agent's own environment minus the names above, with room for extra
+ * more entries; *n is how many it holds. */
+static char **env_inherit(int extra, int *n)
 {
     int inherited = 0;
     while (environ[inherited])
         inherited++;
-    char **env = calloc((size_t)inherited + 40, sizeof(char *));
+    char **env = calloc((size_t)inherited + (size_t)extra + 1, sizeof(char *));
     if (!env) return NULL;
-    int n = 0;
+    *n = 0;
     for (int i = 0; i < inherited; i++) {
         if (env_is_ours(environ[i])) continue;
-        if (!(env[n] = strdup(environ[i]))) goto err;
-        n++;
+        if (!(env[*n] = strdup(environ[i]))) {
+            env_free(env);
+            return NULL;
+        }
+        (*n)++;
     }
+    return env;
+}
+
+/* One thread per worker unless the user chose: K workers share the node.
+ * A warm spare gets it too: a library reads it when it is loaded. */
+static int env_add_threads(char **env, int *n, int local_world_size)
+{
+    if (local_world_size > 1 && !env_has(env, *n, "OMP_NUM_THREADS"))
+        return env_add(env, n, "OMP_NUM_THREADS", "1");
+    return 0;
+}
+
+/* The environment of local rank lr: the agent's own, minus the names above,
+ * plus the round's values. */
+static char **env_build(const agent_round_env *r, int lr, const char *error_file)
+{
+    int n = 0;
+    char **env = env_inherit(40, &n);
+    if (!env) return NULL;
     int rank = r->first_rank + lr;
     int bad = 0;
     bad |= env_add(env, &n, "RANK", "%d", rank);
@@ -116,9 +145,7 @@ static char **env_build(const agent_round_env *r, int lr, const char *error_file
     if (r->node_addr) bad |= env_add(env, &n, CTL_ENV_NODE_ADDR, "%s", r->node_addr);
     const char *fp = getenv("DUCTILE_WORKER_FAILPOINTS");
     if (fp && *fp) bad |= env_add(env, &n, CTL_ENV_FAILPOINTS, "%s", fp);
-    /* One thread per worker unless the user chose: K workers share the node. */
-    if (r->local_world_size > 1 && !env_has(env, n, "OMP_NUM_THREADS"))
-        bad |= env_add(env, &n, "OMP_NUM_THREADS", "1");
+    bad |= env_add_threads(env, &n, r->local_world_size);
 #define AGENT_ENV_CREDENTIAL(name, field)                                                          \
     if (r->etcd.field && !env_has(env, n, name)) bad |= env_add(env, &n, name, "%s", r->etcd.field);
     CTL_ENV_CREDENTIALS(AGENT_ENV_CREDENTIAL) /* the store needs the agent's etcd credentials */
@@ -132,14 +159,62 @@ err:
     return NULL;
 }
 
+char **agent_spare_env(int local_world_size, const char *name, const char *value)
+{
+    int n = 0;
+    char **env = env_inherit(2, &n);
+    if (!env) return NULL;
+    /* name is the agent's to set: an inherited value goes. */
+    for (int i = 0; i < n; i++) {
+        if (!env_named(env[i], name)) continue;
+        free(env[i]);
+        env[i--] = env[--n];
+        env[n] = NULL;
+    }
+    int bad = env_add_threads(env, &n, local_world_size);
+    bad |= env_add(env, &n, name, "%s", value);
+    env[n] = NULL;
+    if (!bad) return env;
+    env_free(env);
+    return NULL;
+}
+
+void agent_env_free(char **env)
+{
+    env_free(env);
+}
+
+char *agent_round_env_block(const agent_round_env *r, int lr, const char *error_file, size_t *len)
+{
+    char **env = env_build(r, lr, error_file);
+    if (!env) return NULL;
+    size_t total = 0;
+    for (char **p = env; *p; p++)
+        total += strlen(*p) + 1;
+    char *block = malloc(total ? total : 1);
+    if (block) {
+        char *at = block;
+        for (char **p = env; *p; p++) {
+            size_t n = strlen(*p) + 1;
+            memcpy(at, *p, n); /* with its NUL: the entries' separator */
+            at += n;
+        }
+        *len = total;
+    }
+    env_free(env);
+    return block;
+}
+
 static void close_fd(int *fd)
 {
     if (*fd >= 0) close(*fd);
     *fd = -1;
 }
 
-/* In the child: only async-signal-safe calls from here to exec. */
-static void child_exec(pid_t parent, int out_w, int err_w, int ctl_w, char *const argv[],
+/* In the child: only async-signal-safe calls from here to exec. go_r, a
+ * warm spare's go pipe (-1 for a worker), becomes fd 4; it was made after
+ * the other three, so moving those first cannot clobber it. */
+static void child_exec(pid_t parent, int out_w, int err_w, int ctl_w, int go_r, char *const argv[],
                        char **env)
 {
     setpgid(0, 0);
@@ -158,12 +233,62 @@ static void child_exec(pid_t parent, int out_w, int err_w, int ctl_w, char *cons
     } else if (dup2(ctl_w, 3) < 0) {
         _exit(127);
     }
-    close_range(4, ~0U, 0);
+    if (go_r == 4) {
+        fcntl(4, F_SETFD, 0);
+    } else if (go_r >= 0 && dup2(go_r, 4) < 0) {
+        _exit(127);
+    }
+    close_range(go_r >= 0 ? 5 : 4, ~0U, 0);
     execvpe(argv[0], argv, env);
     static const char msg[] = "ductile-agent: cannot run the worker command\n";
     ssize_t ignored = write(2, msg, sizeof(msg) - 1);
     (void)ignored;
     _exit(127);
+}
+
+int agent_child_start(agent_worker *w, char *const argv[], char **envp, int *go_w, char *msg,
+                      size_t msglen)
+{
+    int out[2] = {-1, -1}, errp[2] = {-1, -1}, ctl[2] = {-1, -1}, go[2] = {-1, -1};
+    if (pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) ||
+        socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ctl) || (go_w && pipe2(go, O_CLOEXEC))) {
+        snprintf(msg, msglen, "cannot create worker pipes: %s", strerror(errno));
+        goto err;
+    }
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(msg, msglen, "fork: %s", strerror(errno));
+        goto err;
+    }
+    if (pid == 0) child_exec(parent, out[1], errp[1], ctl[1], go[0], argv, envp);
+    setpgid(pid, pid); /* also here, so a signal sent at once reaches the group */
+    close(out[1]);
+    close(errp[1]);
+    close(ctl[1]);
+    close_fd(&go[0]);
+    memset(w, 0, sizeof(*w));
+    w->pid = pid;
+    w->out_fd = out[0];
+    w->err_fd = errp[0];
+    w->ctl_fd = ctl[0];
+    fcntl(w->out_fd, F_SETFL, O_NONBLOCK);
+    fcntl(w->err_fd, F_SETFL, O_NONBLOCK);
+    fcntl(w->ctl_fd, F_SETFL, O_NONBLOCK);
+    if (go_w) {
+        /* The agent's loop must never wait on a spare that does not read. */
+        fcntl(go[1], F_SETFL, O_NONBLOCK);
+        *go_w = go[1];
+    }
+    return 0;
+err:
+    for (int i = 0; i < 2; i++) {
+        close_fd(&out[i]);
+        close_fd(&errp[i]);
+        close_fd(&ctl[i]);
+        close_fd(&go[i]);
+    }
+    return -1;
 }
 
 /* torchrun's files of local rank lr (logs.h): <attempt>/<lr>/ with the
@@ -207,60 +332,45 @@ static void logs_close(agent_worker *w)
     w->error_file = NULL;
 }
 
+/* Local rank lr's worker: its warm spare when one is ready, else a fresh
+ * process. torchrun's files are opened first: the worker's environment
+ * names its error file. */
 static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *const argv[],
-                     char *msg, size_t msglen)
+                     agent_warm *wm, int *warm, char *msg, size_t msglen)
 {
-    int out[2] = {-1, -1}, errp[2] = {-1, -1}, ctl[2] = {-1, -1};
-    char **envp = NULL;
-    memset(w, 0, sizeof(*w));
-    w->out_log = w->err_log = -1;
-    w->console = AGENT_STD_OUT | AGENT_STD_ERR;
-    if (env->logs && logs_open(w, env->logs, lr, msg, msglen) != 0) goto err;
-    if (pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC) ||
-        socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ctl)) {
-        snprintf(msg, msglen, "cannot create worker pipes: %s", strerror(errno));
-        goto err;
+    agent_worker files;
+    memset(&files, 0, sizeof(files));
+    files.out_log = files.err_log = -1;
+    files.console = AGENT_STD_OUT | AGENT_STD_ERR;
+    if (env->logs && logs_open(&files, env->logs, lr, msg, msglen) != 0) goto err;
+    if (wm && agent_warm_take(wm, lr, env, files.error_file, w) == 0) {
+        (*warm)++;
+    } else {
+        char **envp = env_build(env, lr, files.error_file);
+        if (!envp) {
+            snprintf(msg, msglen, "cannot build the worker environment");
+            goto err;
+        }
+        int rc = agent_child_start(w, argv, envp, NULL, msg, msglen);
+        env_free(envp);
+        if (rc != 0) goto err;
     }
-    if (!(envp = env_build(env, lr, w->error_file))) {
-        snprintf(msg, msglen, "cannot build the worker environment");
-        goto err;
-    }
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0) {
-        snprintf(msg, msglen, "fork: %s", strerror(errno));
-        goto err;
-    }
-    if (pid == 0) child_exec(parent, out[1], errp[1], ctl[1], argv, envp);
-    setpgid(pid, pid); /* also here, so a signal sent at once reaches the group */
-    env_free(envp);
-    close(out[1]);
-    close(errp[1]);
-    close(ctl[1]);
-    w->pid = pid;
     w->local_rank = lr;
     w->rank = env->first_rank + lr;
-    w->out_fd = out[0];
-    w->err_fd = errp[0];
-    w->ctl_fd = ctl[0];
-    fcntl(w->out_fd, F_SETFL, O_NONBLOCK);
-    fcntl(w->err_fd, F_SETFL, O_NONBLOCK);
-    fcntl(w->ctl_fd, F_SETFL, O_NONBLOCK);
+    w->out_log = files.out_log;
+    w->err_log = files.err_log;
+    w->console = files.console;
+    w->error_file = files.error_file;
     return 0;
 err:
-    env_free(envp);
-    logs_close(w);
-    for (int i = 0; i < 2; i++) {
-        close_fd(&out[i]);
-        close_fd(&errp[i]);
-        close_fd(&ctl[i]);
-    }
+    logs_close(&files);
     return -1;
 }
 
 int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
-                        char *msg, size_t msglen)
+                        agent_warm *wm, int *warm, char *msg, size_t msglen)
 {
+    *warm = 0;
     int k = env->local_world_size;
     memset(ws, 0, sizeof(*ws));
     ws->w = calloc((size_t)k, sizeof(agent_worker));
@@ -269,7 +379,7 @@ int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *con
         return -1;
     }
     for (int i = 0; i < k; i++) {
-        if (spawn_one(&ws->w[i], env, i, argv, msg, msglen) != 0) {
+        if (spawn_one(&ws->w[i], env, i, argv, wm, warm, msg, msglen) != 0) {
             /* Take back the ones already started. */
             for (int j = 0; j < i; j++) {
                 kill(-ws->w[j].pid, SIGKILL);

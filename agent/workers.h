@@ -78,10 +78,31 @@ typedef struct agent_round_env {
     const agent_logs *logs; /* its attempt directory made; NULL: no files */
 } agent_round_env;
 
-/* Starts env->local_world_size workers running argv. 0 on success; on
- * failure msg says why and nothing is left running. */
+/* The warm spares (warm.h). */
+typedef struct agent_warm agent_warm;
+
+/* Starts env->local_world_size workers running argv; a local rank whose
+ * warm spare in wm (may be NULL) is ready adopts it instead, and *warm
+ * counts those. 0 on success; on failure msg says why and nothing is left
+ * running. */
 int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
-                        char *msg, size_t msglen);
+                        agent_warm *wm, int *warm, char *msg, size_t msglen);
+/* Starts one child running argv with envp, wired as a worker is (stdout,
+ * stderr, the control channel at fd 3, its own process group, killed with
+ * the agent) into w (zeroed first). With go_w, also a pipe whose read end
+ * the child holds at fd 4 and whose non-blocking write end *go_w gets: a
+ * warm spare's go pipe. 0 on success; else msg says why. */
+int agent_child_start(agent_worker *w, char *const argv[], char **envp, int *go_w, char *msg,
+                      size_t msglen);
+/* A warm spare's environment: the agent's own minus the names it sets for
+ * workers, with the workers' OMP_NUM_THREADS rule and name=value. NULL when
+ * out of memory; agent_env_free frees it. */
+char **agent_spare_env(int local_world_size, const char *name, const char *value);
+void agent_env_free(char **env);
+/* Local rank lr's whole worker environment (error_file: its
+ * TORCHELASTIC_ERROR_FILE, or NULL) as NUL-terminated KEY=VALUE entries, one after another (*len
+ * bytes in all); malloc'd, NULL when out of memory. */
+char *agent_round_env_block(const agent_round_env *r, int lr, const char *error_file, size_t *len);
 /* Sends sig to every live worker's process group. A worker that has already
  * ended (not yet reaped) is not sent it: its end stays its own. */
 void agent_workers_signal(agent_workers *ws, int sig);
