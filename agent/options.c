@@ -156,12 +156,13 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                              "SIGTERM/SIGINT (5 under a Kubernetes Job: the pod is replaced, "
                              "not complete)"},
     [OPT_ROLE] = {"role", "DUCTILE_ROLE", "NAME", "default", "ROLE_NAME given to workers", 1},
-    [OPT_PRELOAD] = {"preload", "DUCTILE_PRELOAD", "auto|none|MODULES", "auto",
-                     "keep a warm spare Python per local worker with these modules (comma "
-                     "list) imported, adopted by the next launch so a restart skips the "
-                     "import; auto: torch when the command is python SCRIPT or python -m "
-                     "MODULE (restart mode); none: no spares. Each spare holds the memory of "
-                     "an interpreter with its modules (about 0.5 GB resident with torch)"},
+    [OPT_PRELOAD] =
+        {"preload", "DUCTILE_PRELOAD", "auto|none|MODULES", "auto",
+         "keep a warm spare Python per local worker with these modules (comma "
+         "list) imported, adopted by the next launch so a restart skips the "
+         "import; auto: torch and torch._dynamo when the command is python SCRIPT or python -m "
+         "MODULE (restart mode); none: no spares. Each spare holds the memory of "
+         "an interpreter with its modules (about 0.5 GB resident with torch)"},
     [OPT_CACERT] = {"etcd-cacert", "DUCTILE_ETCD_CACERT", "FILE", NULL,
                     "CA certificate to verify etcd (PEM)"},
     [OPT_CERT] = {"etcd-cert", "DUCTILE_ETCD_CERT", "FILE", NULL, "client certificate (PEM)"},

@@ -63,7 +63,10 @@ static const char agent_warm_stub[] =
     "        sys.path[0] = os.path.dirname(os.path.realpath(target))\n"
     "    runpy.run_path(target, run_name='__main__')\n";
 
-#define PRELOAD_AUTO "torch" /* what a PyTorch script spends its start on */
+/* What a PyTorch script spends its start on: torch, and torch._dynamo,
+ * which torch imports lazily when the first optimizer is made (seconds of
+ * its own). Neither starts a thread pool or a process at import. */
+#define PRELOAD_AUTO "torch,torch._dynamo"
 #define PRELOAD_ENV "DUCTILE_PRELOAD_MODULES"
 
 static int python_basename(const char *argv0)

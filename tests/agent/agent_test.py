@@ -1519,6 +1519,9 @@ def case_torch_ddp(job):
     check("member node-b is gone" in a.log() or "the worker's exit was a lost peer" in a.log(),
           "node-b found gone:\n" + a.log())
     check(re.search(r"resumed at step \d+, world size 1", a.out()), "the script says it resumed")
+    check(re.search(r"round \d+: started 1 workers, ranks 0\.\.0 \(1 from a warm interpreter: "
+                    r"torch,torch\._dynamo preloaded\)", a.log()),
+          "the restart adopted a warm interpreter with torch imported:\n" + a.log())
     with open(os.path.join(ckpt, "done")) as f:
         step, world, _ = f.read().split()
     check(int(step) == total and world == "1", "finished all %d steps at world size 1" % total)
