@@ -371,6 +371,7 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
         break;
     case CTL_STEP:
         w->step = m->step;
+        agent_progress_step(&w->prog, m, mono_now_s());
         break;
     case CTL_PHASE: /* the watchdog's alone */
         break;
@@ -945,6 +946,11 @@ static void publish(agent *a)
         ws->local_rank = w->local_rank;
         ws->step = w->step;
         ws->progress_unix = w->progress_at > 0 ? unix_now - (s.heartbeat - w->progress_at) : 0;
+        ws->step_unix = w->prog.step_at > 0 ? unix_now - (s.heartbeat - w->prog.step_at) : 0;
+        ws->samples_total = w->prog.samples_total;
+        ws->samples_per_second = agent_progress_rate(&w->prog, s.heartbeat);
+        ws->has_loss = w->prog.has_loss;
+        ws->loss = w->prog.loss;
         snprintf(ws->phase, sizeof(ws->phase), "%s", w->phase);
     }
     agent_http_publish(a->http, &s);

@@ -196,6 +196,7 @@ static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *
     w->out_fd = out[0];
     w->err_fd = errp[0];
     w->ctl_fd = ctl[0];
+    agent_progress_init(&w->prog);
     fcntl(w->out_fd, F_SETFL, O_NONBLOCK);
     fcntl(w->err_fd, F_SETFL, O_NONBLOCK);
     fcntl(w->ctl_fd, F_SETFL, O_NONBLOCK);
