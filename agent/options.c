@@ -41,6 +41,7 @@ typedef enum {
     OPT_REBUILD,
     OPT_STANDALONE,
     OPT_HTTP_PORT,
+    OPT_K8S_EVENTS,
     OPT_LOG_FORMAT,
     OPT_LEAVE_EXIT_CODE,
     OPT_ROLE,
@@ -99,6 +100,9 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                         "run a private etcd on a free loopback port (one-machine runs)"},
     [OPT_HTTP_PORT] = {"http-port", "DUCTILE_HTTP_PORT", "PORT", "0 (off)",
                        "serve /healthz, /readyz and /metrics on this port"},
+    [OPT_K8S_EVENTS] = {"k8s-events", "DUCTILE_K8S_EVENTS", NULL, "off",
+                        "post Kubernetes Events on this pod's Job (round changes, failures); "
+                        "the API and Job come from DUCTILE_K8S_* (docs/design.md)"},
     [OPT_LOG_FORMAT] = {"log-format", "DUCTILE_LOG_FORMAT", "text|json", "text",
                         "one log line per event, as text or JSON"},
     [OPT_LEAVE_EXIT_CODE] = {"leave-exit-code", "DUCTILE_LEAVE_EXIT_CODE", "CODE", "0",
@@ -286,6 +290,10 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         return -1;
     case OPT_STANDALONE:
         if (parse_bool(v, &o->standalone) == 0) return 0;
+        snprintf(why, len, "'%s' is not true or false", v);
+        return -1;
+    case OPT_K8S_EVENTS:
+        if (parse_bool(v, &o->k8s_events) == 0) return 0;
         snprintf(why, len, "'%s' is not true or false", v);
         return -1;
     case OPT_HTTP_PORT:
