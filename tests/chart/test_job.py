@@ -159,6 +159,8 @@ MUTABLE = {
     "ttl": {"workers": {"job": {"ttlSecondsAfterFinished": 60}}},
     "pdb": {"podDisruptionBudget": {"minAvailable": 2}},
     "service-monitor": {"serviceMonitor": {"enabled": True}},
+    "monitoring": {"monitoring": {"dashboard": {"enabled": True},
+                                  "prometheusRule": {"enabled": True}}},
 }
 # What it does not: the checksum changes, so _validate.tpl refuses it.
 IMMUTABLE = {
@@ -173,6 +175,7 @@ IMMUTABLE = {
     "script": {"job": {"command": ["python3", "/opt/ductile/job/train.py"],
                        "script": {"content": "print(1)"}}},
     "nccl": {"nccl": {"debug": "INFO"}},
+    "events": {"monitoring": {"events": {"enabled": True}}},
     "pod-labels": {"workers": {"podLabels": {"team": "vision"}}},
 }
 

@@ -173,6 +173,9 @@ KINDS = {
     # A CRD of the Prometheus Operator, only with serviceMonitor.enabled:
     # its version is the operator's, not the cluster's.
     "monitoring.coreos.com/v1 ServiceMonitor": None,
+    "monitoring.coreos.com/v1 PrometheusRule": None,  # monitoring.prometheusRule.enabled
+    "rbac.authorization.k8s.io/v1 Role": None,  # 1.8; monitoring.events.enabled
+    "rbac.authorization.k8s.io/v1 RoleBinding": None,
 }
 
 # Every optional part of the chart turned on, so its fields are classified.
@@ -192,6 +195,8 @@ EVERYTHING = {
     "podDisruptionBudget": {"enabled": True},
     "networkPolicy": {"enabled": True},
     "serviceMonitor": {"enabled": True},
+    "monitoring": {"dashboard": {"enabled": True}, "prometheusRule": {"enabled": True},
+                   "events": {"enabled": True}},
     "etcd": {"replicas": 3},
     "job": {"script": {"content": "print('hi')\n"},
             "command": ["python", "/opt/ductile/job/train.py"]},
@@ -265,7 +270,8 @@ def needed(features):
 def _everything_statefulset():
     values = with_values(EVERYTHING, {"workers": {"kind": "statefulset"},
                                       "checkpoint": {"perPod": True},
-                                      "podDisruptionBudget": {"maxUnavailable": 1}})
+                                      "podDisruptionBudget": {"maxUnavailable": 1},
+                                      "monitoring": {"events": {"enabled": False}}})
     del values["workers"]["job"]  # the Job's own settings are refused here
     return values
 

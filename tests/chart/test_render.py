@@ -50,42 +50,64 @@ STANDARD_LABELS = ["helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by",
                    "app.kubernetes.io/component", "app.kubernetes.io/part-of"]
 
-# The subset of monitoring.coreos.com/v1 ServiceMonitor the chart writes;
-# anything else (a typo, a field in the wrong place) fails.
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-SERVICE_MONITOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object", "additionalProperties": False, "required": ["name", "namespace"],
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                           "labels": _LABELS, "annotations": _LABELS},
-        },
-        "spec": {
-            "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": {"type": "object", "additionalProperties": False,
-                             "required": ["matchLabels"], "properties": {"matchLabels": _LABELS}},
-                "namespaceSelector": {"type": "object", "additionalProperties": False,
-                                      "properties": {"matchNames": {"type": "array",
-                                                                    "items": {"type": "string"}}}},
-                "endpoints": {
-                    "type": "array", "minItems": 1,
-                    "items": {"type": "object", "additionalProperties": False, "required": ["port"],
-                              "properties": {
-                                  "port": {"type": "string"},
-                                  "path": {"type": "string", "pattern": "^/"},
-                                  "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                                  "scrapeTimeout": {"type": "string",
-                                                    "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+_DURATION = {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}
+
+
+def crd_schema(kind, spec):
+    """The subset of a monitoring.coreos.com/v1 object the chart writes;
+    anything else (a typo, a field in the wrong place) fails."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {
+                "type": "object", "additionalProperties": False, "required": ["name", "namespace"],
+                "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                               "labels": _LABELS, "annotations": _LABELS},
             },
+            "spec": dict(spec, type="object", additionalProperties=False),
         },
+    }
+
+
+SERVICE_MONITOR = crd_schema("ServiceMonitor", {
+    "required": ["selector", "endpoints"],
+    "properties": {
+        "selector": {"type": "object", "additionalProperties": False,
+                     "required": ["matchLabels"], "properties": {"matchLabels": _LABELS}},
+        "namespaceSelector": {"type": "object", "additionalProperties": False,
+                              "properties": {"matchNames": {"type": "array",
+                                                            "items": {"type": "string"}}}},
+        "endpoints": {
+            "type": "array", "minItems": 1,
+            "items": {"type": "object", "additionalProperties": False, "required": ["port"],
+                      "properties": {"port": {"type": "string"},
+                                     "path": {"type": "string", "pattern": "^/"},
+                                     "interval": _DURATION, "scrapeTimeout": _DURATION}}},
     },
-}
+})
+
+PROMETHEUS_RULE = crd_schema("PrometheusRule", {
+    "required": ["groups"],
+    "properties": {"groups": {
+        "type": "array", "minItems": 1,
+        "items": {"type": "object", "additionalProperties": False, "required": ["name", "rules"],
+                  "properties": {
+                      "name": {"type": "string", "minLength": 1},
+                      "rules": {"type": "array", "minItems": 1, "items": {
+                          "type": "object", "additionalProperties": False,
+                          "required": ["alert", "expr"],
+                          "properties": {
+                              "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                              "expr": {"type": "string", "minLength": 1},
+                              "for": _DURATION,
+                              "labels": _LABELS,
+                              "annotations": _LABELS}}}}}}},
+})
 
 
 @pytest.fixture(scope="module", params=[c for c, _ in CASES], ids=[i for _, i in CASES])
@@ -146,6 +168,20 @@ def test_service_monitor_structure(rendered):
         for ep in sm["spec"]["endpoints"]:
             assert ep["port"] in ports
             assert ep["path"] == "/metrics"
+
+
+def test_prometheus_rule_structure(rendered):
+    for rule in rendered.of_kind("PrometheusRule"):
+        jsonschema.validate(strip_source(rule), PROMETHEUS_RULE)
+
+
+def test_prometheus_rule_check_catches_a_typo(render):
+    rule = strip_source(render({"monitoring": {"prometheusRule": {"enabled": True}}})
+                        .one("PrometheusRule"))
+    jsonschema.validate(rule, PROMETHEUS_RULE)
+    rule["spec"]["groups"][0]["rules"][0]["experssion"] = "up"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rule, PROMETHEUS_RULE)
 
 
 def test_service_monitor_check_catches_a_typo(render):
