@@ -558,6 +558,10 @@ def test_prometheus_rule_alerts(render):
         assert x["labels"]["severity"]
         # Alertmanager templates reach the rule unrendered by Helm.
         assert "{{ $labels.job }}" in x["annotations"]["description"]
+    # With no restart budget there is no budget to warn about.
+    r = render({"monitoring": {"prometheusRule": {"enabled": True}}, "job": {"maxRestarts": 0}})
+    alerts = [x["alert"] for g in r.one("PrometheusRule")["spec"]["groups"] for x in g["rules"]]
+    assert alerts == ["DuctileNoProgress", "DuctileRestartsClimbing"]
 
 
 def test_events_rbac_and_env(render):
