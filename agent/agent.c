@@ -60,7 +60,8 @@ typedef struct agent {
     rdzv_config cfg; /* kept to register again after a lost lease */
     rdzv *rz;
     agent_http *http;
-    agent_events *events; /* --k8s-events: Events on the Job, or NULL */
+    agent_events *events;  /* --k8s-events: Events on the Job, or NULL */
+    int job_failed_posted; /* the JobFailed Event is queued */
     agent_standalone sa;
     int sigfd;
     agent_workers ws;
@@ -246,6 +247,16 @@ static void report_main(void *arg, char *answer, size_t len)
     snprintf(answer, len, "%d %lld %d %d %s", (int)err, (long long)restarts, counted, gone, names);
 }
 
+/* The JobFailed Event, once, from node rank 0 of the last round: it learns
+ * of the failure from its own report or from etcd, whichever comes first
+ * (an agent can exit on either without the other). */
+static void post_job_failed(agent *a)
+{
+    if (a->job_failed_posted || a->round.number == 0 || a->round.my_rank != 0) return;
+    a->job_failed_posted = 1;
+    agent_events_post(a->events, 1, "JobFailed", "%s", a->why);
+}
+
 /* What the report of a->report_round came back with. A report that cannot
  * be made ends the agent, whatever round it is in by then: it must not
  * idle, healthy-looking, in a round nobody else knows is broken. */
@@ -277,7 +288,7 @@ static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted, i
         snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %.340s)",
                  a->round.max_restarts, reason);
         a->exit_after_stop = AGENT_EXIT_JOB_FAILED;
-        agent_events_post(a->events, 1, "JobFailed", "%s", a->why);
+        post_job_failed(a);
         /* Workers already gone (the loop went on meanwhile): nothing is
          * left to stop. */
         if (!workers_alive(a) && a->state != AGENT_SHUTDOWN)
@@ -753,6 +764,7 @@ static void on_event(agent *a, rdzv_event *ev)
                      ev->reason);
         dlog_error(&a->lg, ev->type == RDZV_EV_JOB_FAILED ? "job_failed" : "rdzv_error", "%s",
                    a->why);
+        if (ev->type == RDZV_EV_JOB_FAILED) post_job_failed(a);
         a->in_round = 0;
         if (a->state == AGENT_SHUTDOWN) break;
         a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED

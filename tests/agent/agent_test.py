@@ -1108,7 +1108,9 @@ def case_k8s_events(job):
             check(ag.wait_exit(40) != 0, "job failed")
         failed = sink.events("JobFailed")
         check(len(failed) == 1 and failed[0]["type"] == "Warning" and
-              "restart limit 1 reached" in failed[0]["message"], "JobFailed: %r" % failed)
+              failed[0]["message"].startswith("job failed: restart limit") and
+              failed[0]["source"]["host"] == sink.events("RoundFormed")[-1]["source"]["host"],
+              "JobFailed, from node rank 0: %r" % failed)
 
         # An API server that refuses: logged once, training unaffected.
         sink.status = 403
@@ -1126,6 +1128,26 @@ def case_k8s_events(job):
         check(c.wait_exit(40) == 0, "the job completes: " + c.log())
         check(c.log().count("k8s_events_failed") + c.log().count("cannot post Kubernetes") == 1,
               "the refusal logged once: " + c.log())
+        # A node joins, then leaves: node rank 0 says so.
+        sink.status = 201
+        grow = Job(job.name + "-grow", FAST + ["--nnodes", "1:2", "--k8s-events"])
+        others.append(grow)
+        d = grow.start("node-d", env=env)
+        r1 = grow.wait_round(1, 60)
+        e = grow.start("node-e", env=env)
+        grow.wait_round(2, 60, newer_than=r1)
+        wait_for(lambda: sink.events("NodeJoined"), 20, "NodeJoined posted")
+        joined = sink.events("NodeJoined")[0]
+        check(joined["type"] == "Normal" and joined["source"]["host"] == "node-d" and
+              joined["message"].startswith("round %d ended" % r1), "NodeJoined: %r" % joined)
+        e.signal(signal.SIGTERM)
+        check(e.wait_exit(30) == 0, "node-e left")
+        wait_for(lambda: sink.events("NodeLeft"), 20, "NodeLeft posted")
+        left = sink.events("NodeLeft")[0]
+        check(left["source"]["host"] == "node-d" and "node-e" in left["message"],
+              "NodeLeft: %r" % left)
+        d.signal(signal.SIGTERM)
+        d.wait_exit(30)
         # Incomplete settings: one line, exit 2.
         r = run_agent(["--rdzv-endpoint", ETCD, "--rdzv-id", job.name + "-cfg", "--k8s-events",
                        "--", ARGS.worker], env={"DUCTILE_K8S_API": sink.url,
