@@ -19,6 +19,7 @@
  *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
  */
 #include "agent.h"
+#include "events.h"
 #include "http.h"
 #include "master.h"
 #include "options.h"
@@ -62,6 +63,8 @@ typedef struct agent {
     rdzv_config cfg; /* kept to register again after a lost lease */
     rdzv *rz;
     agent_http *http;
+    agent_events *events;  /* --k8s-events: Events on the Job, or NULL */
+    int job_failed_posted; /* the JobFailed Event is queued */
     agent_standalone sa;
     int sigfd;
     agent_workers ws;
@@ -249,6 +252,16 @@ static void report_main(void *arg, char *answer, size_t len)
     snprintf(answer, len, "%d %lld %d %d %s", (int)err, (long long)restarts, counted, gone, names);
 }
 
+/* The JobFailed Event, once, from node rank 0 of the last round: it learns
+ * of the failure from its own report or from etcd, whichever comes first
+ * (an agent can exit on either without the other). */
+static void post_job_failed(agent *a)
+{
+    if (a->job_failed_posted || a->round.number == 0 || a->round.my_rank != 0) return;
+    a->job_failed_posted = 1;
+    agent_events_post(a->events, 1, "JobFailed", "%s", a->why);
+}
+
 /* What the report of a->report_round came back with. A report that cannot
  * be made ends the agent, whatever round it is in by then: it must not
  * idle, healthy-looking, in a round nobody else knows is broken. */
@@ -262,11 +275,16 @@ static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted, i
                   a->report_suspect ? "; the worker's exit was a lost peer" : "");
     if (err == RDZV_OK) {
         if (restarts > a->restarts) a->restarts = restarts; /* the job-wide count only grows */
-        if (counted)
+        if (counted) {
             dlog_warn(&a->lg, "failure_reported",
                       "failure recorded: job-wide restarts now %lld of %d", (long long)restarts,
                       a->round.max_restarts);
-        else
+            agent_events_post(a->events, 1, "RestartCounted",
+                              "round %lld: failure on node %s, job-wide restarts now %lld of %d: "
+                              "%.400s",
+                              (long long)a->report_round, a->o->node_id, (long long)restarts,
+                              a->round.max_restarts, reason);
+        } else
             dlog_info(&a->lg, "peer_lost_reported",
                       "lost peer recorded as a membership change (restarts stay %lld of %d)",
                       (long long)restarts, a->round.max_restarts);
@@ -275,6 +293,7 @@ static void report_done(agent *a, rdzv_err err, int64_t restarts, int counted, i
         snprintf(a->why, sizeof(a->why), "job failed: restart limit %d reached (last: %.340s)",
                  a->round.max_restarts, reason);
         a->exit_after_stop = AGENT_EXIT_JOB_FAILED;
+        post_job_failed(a);
         /* Workers already gone (the loop went on meanwhile): nothing is
          * left to stop. */
         if (!workers_alive(a) && a->state != AGENT_SHUTDOWN)
@@ -376,6 +395,7 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
         break;
     case CTL_STEP:
         w->step = m->step;
+        agent_progress_step(&w->prog, m, mono_now_s());
         break;
     case CTL_PHASE: /* the watchdog's alone */
         break;
@@ -468,6 +488,14 @@ static void start_round(agent *a, rdzv_round *r)
               "round %lld frozen: %d nodes, world size %d, rank %d, restarts %lld of %d (%s)",
               (long long)rd->number, rd->nmembers, rd->world_size, rd->my_rank,
               (long long)rd->restarts, rd->max_restarts, a->why[0] ? a->why : "first round");
+    /* Node rank 0 speaks for the round: one Event per change, not one per node. */
+    if (rd->my_rank == 0)
+        agent_events_post(a->events, 0, "RoundFormed",
+                          "round %lld formed with %d nodes, world size %d, restarts %lld of %d "
+                          "(%.400s)",
+                          (long long)rd->number, rd->nmembers, rd->world_size,
+                          (long long)rd->restarts, rd->max_restarts,
+                          a->why[0] ? a->why : "first round");
     a->why[0] = 0;
     if (rd->my_rank == 0) {
         if (agent_master_publish_start(&a->master, &a->etcd, a->o->job, rd->number) != 0)
@@ -580,6 +608,19 @@ static void launch_round(agent *a, const char *maddr, int mport)
     /* In inplace mode a fresh worker also gets the round on its channel, so
      * a trainer reads its round the same way every time. */
     if (a->o->inplace) send_round(a, me, maddr, mport, prefix);
+}
+
+/* The Event for a round's end, by its cause (node rank 0 posts it). */
+static void post_round_end(agent *a, const rdzv_event *ev, const char *what)
+{
+    static const char *const reasons[RDZV_CAUSE_COUNT] = {
+        [RDZV_CAUSE_NONE] = "RoundEnded",      [RDZV_CAUSE_MEMBER_LOST] = "NodeLost",
+        [RDZV_CAUSE_MEMBER_LEFT] = "NodeLeft", [RDZV_CAUSE_NODE_WAITING] = "NodeJoined",
+        [RDZV_CAUSE_FAILURE] = "WorkerFailed", [RDZV_CAUSE_PEER_LOST] = "PeerLost"};
+    int cause = ev->cause > 0 && ev->cause < RDZV_CAUSE_COUNT ? (int)ev->cause : 0;
+    int warning = cause == RDZV_CAUSE_MEMBER_LOST || cause == RDZV_CAUSE_FAILURE;
+    agent_events_post(a->events, warning, reasons[cause], "round %lld ended: %.500s",
+                      (long long)ev->round_number, what);
 }
 
 static void describe_end(const rdzv_event *ev, char *out, size_t len)
@@ -708,6 +749,8 @@ static void on_event(agent *a, rdzv_event *ev)
         if (ev->cause > 0 && ev->cause < RDZV_CAUSE_COUNT) a->changes[ev->cause]++;
         describe_end(ev, what, sizeof(what));
         dlog_info(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
+        if (a->round.number == ev->round_number && a->round.my_rank == 0)
+            post_round_end(a, ev, what);
         snprintf(a->why, sizeof(a->why), "%s", what);
         leave_round(a, ev->round_number,
                     ev->cause == RDZV_CAUSE_NODE_WAITING || ev->cause == RDZV_CAUSE_MEMBER_LEFT);
@@ -739,6 +782,7 @@ static void on_event(agent *a, rdzv_event *ev)
                      ev->reason);
         dlog_error(&a->lg, ev->type == RDZV_EV_JOB_FAILED ? "job_failed" : "rdzv_error", "%s",
                    a->why);
+        if (ev->type == RDZV_EV_JOB_FAILED) post_job_failed(a);
         a->in_round = 0;
         if (a->state == AGENT_SHUTDOWN) break;
         a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
@@ -976,6 +1020,11 @@ static void publish(agent *a)
         ws->local_rank = w->local_rank;
         ws->step = w->step;
         ws->progress_unix = w->progress_at > 0 ? unix_now - (s.heartbeat - w->progress_at) : 0;
+        ws->step_unix = w->prog.step_at > 0 ? unix_now - (s.heartbeat - w->prog.step_at) : 0;
+        ws->samples_total = w->prog.samples_total;
+        ws->samples_per_second = agent_progress_rate(&w->prog, s.heartbeat);
+        ws->has_loss = w->prog.has_loss;
+        ws->loss = w->prog.loss;
         snprintf(ws->phase, sizeof(ws->phase), "%s", w->phase);
     }
     agent_http_publish(a->http, &s);
@@ -1123,6 +1172,14 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
     }
     if (o->log_dir || o->redirects || o->tee)
         dlog_info(&a.lg, "log_dir", "worker files in %s", a.logs.run_dir);
+    if (o->k8s_events) {
+        a.events = agent_events_start(&a.lg, o->node_id, msg, sizeof(msg));
+        if (!a.events) {
+            dlog_error(&a.lg, "k8s_events_failed", "--k8s-events: %s", msg);
+            a.exit_code = AGENT_EXIT_USAGE;
+            goto out;
+        }
+    }
     publish(&a);
 
     a.cfg = (rdzv_config){.etcd = a.etcd,
@@ -1196,7 +1253,8 @@ out:
     agent_master_cancel(&a.master);
     agent_task_cancel(&a.report);
     agent_task_cancel(&a.finish);
-    if (a.rz) rdzv_close(a.rz); /* a task still running holds it: it frees it last */
+    agent_events_stop(a.events); /* what is queued (a failed job's Event) goes out first */
+    if (a.rz) rdzv_close(a.rz);  /* a task still running holds it: it frees it last */
     agent_http_stop(a.http);
     agent_standalone_stop(&a.sa);
     agent_logs_close(&a.logs);

@@ -6,6 +6,7 @@
  * what a liveness probe should catch: a loop that no longer turns.
  */
 #include "http.h"
+#include "progress.h"
 
 #include "ductile/clock.h"
 #include "ductile/rdzv.h"
@@ -36,6 +37,9 @@ static enum MHD_Result reply(struct MHD_Connection *c, unsigned code, const char
     MHD_destroy_response(r);
     return ok;
 }
+
+/* The labels every per-worker series carries. */
+#define WORKER_LABELS "rank=\"%d\",local_rank=\"%d\""
 
 static int metrics_text(const agent_snapshot *s, char *out, size_t len)
 {
@@ -73,11 +77,15 @@ static int metrics_text(const agent_snapshot *s, char *out, size_t len)
     EMIT("# HELP ductile_worker_hangs_total Workers of this node the progress watchdog killed.\n"
          "# TYPE ductile_worker_hangs_total counter\nductile_worker_hangs_total %lld\n",
          (long long)s->hangs);
+/* One series per running worker w (when cond): name{rank,local_rank} value. */
+#define EMIT_WORKERS(name, cond, fmt, value)                                                       \
+    for (int i = 0; i < s->nworkers; i++) {                                                        \
+        const agent_worker_snapshot *w = &s->workers[i];                                           \
+        if (cond) EMIT(name "{" WORKER_LABELS "} " fmt "\n", w->rank, w->local_rank, value);       \
+    }
     EMIT("# HELP ductile_worker_step Last step a running worker reported.\n"
          "# TYPE ductile_worker_step gauge\n");
-    for (int i = 0; i < s->nworkers; i++)
-        EMIT("ductile_worker_step{rank=\"%d\",local_rank=\"%d\"} %lld\n", s->workers[i].rank,
-             s->workers[i].local_rank, (long long)s->workers[i].step);
+    EMIT_WORKERS("ductile_worker_step", 1, "%lld", (long long)w->step);
     EMIT("# HELP ductile_worker_last_progress_timestamp_seconds Unix time of a running worker's "
          "last progress (a new step or phase; 0 before any).\n"
          "# TYPE ductile_worker_last_progress_timestamp_seconds gauge\n");
@@ -86,6 +94,25 @@ static int metrics_text(const agent_snapshot *s, char *out, size_t len)
              "phase=\"%s\"} %.3f\n",
              s->workers[i].rank, s->workers[i].local_rank, s->workers[i].phase,
              s->workers[i].progress_unix);
+    EMIT("# HELP ductile_worker_last_step_timestamp_seconds Unix time of a running worker's last "
+         "`step` report (0 before one).\n"
+         "# TYPE ductile_worker_last_step_timestamp_seconds gauge\n");
+    EMIT_WORKERS("ductile_worker_last_step_timestamp_seconds", 1, "%.3f", w->step_unix);
+    EMIT("# HELP ductile_worker_samples_total Samples a running worker reported processing (its "
+         "own share; sum over workers for the job), since this process of it started.\n"
+         "# TYPE ductile_worker_samples_total counter\n");
+    EMIT_WORKERS("ductile_worker_samples_total", 1, "%lld", (long long)w->samples_total);
+    EMIT("# HELP ductile_worker_samples_per_second Samples per second of a running worker, from "
+         "its step reports of the last %.0f s (at most the last %d): the samples between the "
+         "oldest and the newest over the time between them; 0 with fewer than two.\n"
+         "# TYPE ductile_worker_samples_per_second gauge\n",
+         AGENT_RATE_WINDOW_S, AGENT_RATE_POINTS);
+    EMIT_WORKERS("ductile_worker_samples_per_second", 1, "%.3f", w->samples_per_second);
+    EMIT("# HELP ductile_worker_loss Training loss a running worker reported with its last step "
+         "(absent for a worker that reports none).\n"
+         "# TYPE ductile_worker_loss gauge\n");
+    EMIT_WORKERS("ductile_worker_loss", w->has_loss, "%.9g", w->loss);
+#undef EMIT_WORKERS
 #undef EMIT
     return 0;
 }
@@ -117,7 +144,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return reply(c, MHD_HTTP_OK, "text/plain", "ready\n");
     }
     if (strcmp(url, "/metrics") == 0) {
-        size_t cap = 4096 + 512 * (size_t)s.nworkers;
+        size_t cap = 8192 + 1024 * (size_t)s.nworkers;
         char *body = malloc(cap);
         if (!body || metrics_text(&s, body, cap) != 0) {
             free(body);

@@ -13,9 +13,14 @@
 
 typedef struct agent_worker_snapshot {
     int rank, local_rank;
-    int64_t step;         /* last step it reported, 0 before one */
-    double progress_unix; /* Unix time of its last progress (step or phase); 0: none yet */
-    char phase[32];       /* last phase it reported, "" before one */
+    int64_t step;              /* last step it reported, 0 before one */
+    double progress_unix;      /* Unix time of its last progress (step or phase); 0: none yet */
+    double step_unix;          /* Unix time of its last `step`; 0: none yet */
+    int64_t samples_total;     /* samples it reported processing (progress.h) */
+    double samples_per_second; /* over the last AGENT_RATE_WINDOW_S */
+    int has_loss;
+    double loss;    /* its last reported loss, when has_loss */
+    char phase[32]; /* last phase it reported, "" before one */
 } agent_worker_snapshot;
 
 typedef struct agent_snapshot {

@@ -50,6 +50,7 @@ typedef enum {
     OPT_REBUILD,
     OPT_STANDALONE,
     OPT_HTTP_PORT,
+    OPT_K8S_EVENTS,
     OPT_LOG_FORMAT,
     OPT_LEAVE_EXIT_CODE,
     OPT_ROLE,
@@ -149,6 +150,9 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                         "run a private etcd on a free loopback port (one-machine runs)", 1},
     [OPT_HTTP_PORT] = {"http-port", "DUCTILE_HTTP_PORT", "PORT", "0 (off)",
                        "serve /healthz, /readyz and /metrics on this port"},
+    [OPT_K8S_EVENTS] = {"k8s-events", "DUCTILE_K8S_EVENTS", NULL, "off",
+                        "post Kubernetes Events on this pod's Job (round changes, failures); "
+                        "the API and Job come from DUCTILE_K8S_* (docs/design.md)"},
     [OPT_LOG_FORMAT] = {"log-format", "DUCTILE_LOG_FORMAT", "text|json", "text",
                         "one log line per event, as text or JSON"},
     [OPT_LEAVE_EXIT_CODE] = {"leave-exit-code", "DUCTILE_LEAVE_EXIT_CODE", "CODE", "0",
@@ -603,6 +607,8 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         return -1;
     case OPT_STANDALONE:
         return set_bool(v, &o->standalone, why, len);
+    case OPT_K8S_EVENTS:
+        return set_bool(v, &o->k8s_events, why, len);
     case OPT_HTTP_PORT:
         if (agent_parse_int(v, 0, 65535, &o->http_port) == 0) return 0;
         snprintf(why, len, "'%s' is not a port in 0..65535", v);

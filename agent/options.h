@@ -30,6 +30,7 @@ typedef struct agent_opts {
     int inplace;
     int standalone;
     int http_port;
+    int k8s_events;
     int json_log;
     int leave_exit_code;
     const char *role;

@@ -272,6 +272,7 @@ int agent_child_start(agent_worker *w, char *const argv[], char **envp, int *go_
     w->out_fd = out[0];
     w->err_fd = errp[0];
     w->ctl_fd = ctl[0];
+    agent_progress_init(&w->prog);
     fcntl(w->out_fd, F_SETFL, O_NONBLOCK);
     fcntl(w->err_fd, F_SETFL, O_NONBLOCK);
     fcntl(w->ctl_fd, F_SETFL, O_NONBLOCK);

@@ -10,6 +10,7 @@
 #define DUCTILE_AGENT_WORKERS_H
 
 #include "logs.h"
+#include "progress.h"
 
 #include "ductile/control.h"
 #include "ductile/log.h"
@@ -36,6 +37,7 @@ typedef struct agent_worker {
     int exited; /* reaped */
     int status; /* waitpid status once exited */
     int64_t step;
+    agent_progress prog; /* samples, rate and loss from its `step` lines */
     int ready;
     /* The progress watchdog's view (watchdog.c); times are mono_now_s(). */
     int watched;               /* said `step`: the watchdog bounds it */

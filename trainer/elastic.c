@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -47,8 +48,12 @@ struct elastic {
     size_t nbuf;
     /* Progress: the loop sets these; the thread tells the agent. */
     _Atomic int64_t step; /* last finished step, -1 before one */
-    _Atomic int phase;    /* elastic_phase */
-    int64_t sent_step;    /* the thread's own: what it last said */
+    /* Stored before step, so the thread never pairs a step with older
+     * figures (at worst with a later step's: samples only grow). */
+    _Atomic int64_t samples; /* this process's samples in all, -1: not reported */
+    _Atomic double loss;     /* the step's loss, NAN: not reported */
+    _Atomic int phase;       /* elastic_phase */
+    int64_t sent_step;       /* the thread's own: what it last said */
     int sent_phase;
     int64_t sent_at; /* mono_now_ms() of its last `phase` */
 };
@@ -169,7 +174,12 @@ static void send_progress(elastic *e)
     int phase = atomic_load(&e->phase);
     int64_t now = mono_now_ms();
     if (step != e->sent_step) {
-        send_line(e, &(ctl_msg){.type = CTL_STEP, .step = step});
+        ctl_msg m = {.type = CTL_STEP, .step = step};
+        m.samples = atomic_load(&e->samples);
+        m.has_samples = m.samples >= 0;
+        m.loss = atomic_load(&e->loss);
+        m.has_loss = isfinite(m.loss);
+        send_line(e, &m);
         e->sent_step = step;
     }
     if (phase != e->sent_phase || now - e->sent_at >= CTL_HEARTBEAT_MS) {
@@ -214,6 +224,8 @@ elastic_err elastic_open(int fd, int64_t round, elastic **out)
     e->current = round;
     e->ending = e->lost = -1;
     atomic_init(&e->step, -1);
+    atomic_init(&e->samples, -1);
+    atomic_init(&e->loss, NAN);
     atomic_init(&e->phase, ELASTIC_PHASE_COMPUTE);
     e->sent_step = -1;
     e->sent_phase = -1;
@@ -295,10 +307,12 @@ static void send_line(elastic *e, const ctl_msg *m)
     pthread_mutex_unlock(&e->wmu);
 }
 
-void elastic_report_step(elastic *e, int64_t step)
+void elastic_report_step(elastic *e, int64_t step, int64_t samples, double loss)
 {
     if (!e) return;
     atomic_store(&e->phase, ELASTIC_PHASE_COMPUTE);
+    atomic_store(&e->samples, samples);
+    atomic_store(&e->loss, loss);
     atomic_store(&e->step, step);
 }
 

@@ -21,6 +21,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -112,7 +113,8 @@ typedef struct trainer {
     double logged_at;    /* time and sample count of the last log line */
     int64_t logged_samples;
     int loss_n;
-    char *records; /* sample records not yet committed */
+    int64_t own_samples; /* this process's share, in all: told to the agent */
+    char *records;       /* sample records not yet committed */
     size_t nrecords, caprecords;
     int lost;                  /* the first group could not form for want of a peer or the store */
     elastic *el;               /* under ductile-agent: its control channel (elastic.c) */
@@ -250,6 +252,8 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
 {
     if (step_failpoint(t) != 0) return -1;
     float scale = (float)t->g.world / (float)step_samples(t);
+    double step_loss = 0;
+    int step_loss_n = 0;
     for (int a = 0; a < t->o.accumulate; a++) {
         int64_t start;
         int count;
@@ -265,8 +269,12 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
         if (count > 0) {
             data_gather(&t->train, perm + start, count, t->m->x, t->m->y);
             model_forward(t->m, count);
-            t->loss_sum += model_loss(t->m, count) / count;
+            double loss = model_loss(t->m, count) / count;
+            t->loss_sum += loss;
             t->loss_n++;
+            step_loss += loss;
+            step_loss_n++;
+            t->own_samples += count;
             model_backward(t->m, count, scale, ddp_mark_ready, t->r);
         } else {
             for (int i = t->m->nparams - 1; i >= 0; i--) /* nothing to add: still ready */
@@ -298,7 +306,8 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
     optim_step(t->opt, t->m, lr);
     ddp_zero_grad(t->r);
     t->st.step++;
-    elastic_report_step(t->el, t->st.step);
+    elastic_report_step(t->el, t->st.step, t->own_samples,
+                        step_loss_n ? step_loss / step_loss_n : NAN);
     return 0;
 }
 

@@ -33,7 +33,15 @@
  *
  * worker -> agent (all optional; a worker that never writes is fine)
  *   ready           set up for the current round
- *   step K          finished step K; the next step's local work begins
+ *   step K [samples N] [loss L]
+ *                   finished step K; the next step's local work begins.
+ *                   The optional fields, in either order, each at most once:
+ *                   samples N, the samples this worker has processed in all
+ *                   (its own share, an integer that only grows while the
+ *                   process lives: the agent uses differences, so a worker
+ *                   that skips reporting a step loses nothing), and loss L,
+ *                   the worker's training loss of step K (a finite decimal
+ *                   number). A bad field makes the whole line invalid.
  *   phase NAME      what the worker does now, one word [a-z_]{1,31}: comm
  *                   (waiting on peers in a collective) and rebuild (building
  *                   the next round's group, agreeing on state, waiting for a
@@ -78,6 +86,7 @@
 #define DUCTILE_CONTROL_H
 
 #include <errno.h>
+#include <math.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdint.h>
@@ -177,6 +186,9 @@ typedef struct ctl_msg {
     int master_port;
     char store_prefix[CTL_PREFIX_MAX];
     int64_t step;                /* STEP */
+    int has_samples, has_loss;   /* STEP: which optional fields it carries */
+    int64_t samples;             /* STEP: samples this worker processed in all */
+    double loss;                 /* STEP: the step's loss, finite */
     char phase[CTL_PHASE_MAX];   /* PHASE */
     char reason[CTL_REASON_MAX]; /* FAILED, PEER_LOST */
 } ctl_msg;
@@ -190,6 +202,36 @@ static inline int ctl_int(const char *word, int64_t min, int64_t max, int64_t *o
     long long v = strtoll(word, &end, 10);
     if (errno || *end || v < min || v > max) return -1;
     *out = v;
+    return 0;
+}
+
+/* Parses one finite decimal number word; 0 on success. */
+static inline int ctl_double(const char *word, double *out)
+{
+    if (!word || !*word) return -1;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(word, &end);
+    if (errno || *end || !isfinite(v)) return -1;
+    *out = v;
+    return 0;
+}
+
+/* Parses the optional fields of `step` (words w[0..nw)); 0 on success. */
+static inline int ctl_step_fields(char **w, int nw, ctl_msg *m)
+{
+    if (nw % 2) return -1;
+    for (int i = 0; i < nw; i += 2) {
+        if (strcmp(w[i], "samples") == 0 && !m->has_samples) {
+            if (ctl_int(w[i + 1], 0, INT64_MAX, &m->samples)) return -1;
+            m->has_samples = 1;
+        } else if (strcmp(w[i], "loss") == 0 && !m->has_loss) {
+            if (ctl_double(w[i + 1], &m->loss)) return -1;
+            m->has_loss = 1;
+        } else {
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -253,8 +295,8 @@ static inline int ctl_parse(const char *line, ctl_msg *m)
         m->type = CTL_READY;
     } else if (strcmp(w[0], "stop") == 0 && nw == 1) {
         m->type = CTL_STOP;
-    } else if (strcmp(w[0], "step") == 0 && nw == 2) {
-        if (ctl_int(w[1], 0, INT64_MAX, &m->step)) return -1;
+    } else if (strcmp(w[0], "step") == 0 && nw >= 2) {
+        if (ctl_int(w[1], 0, INT64_MAX, &m->step) || ctl_step_fields(w + 2, nw - 2, m)) return -1;
         m->type = CTL_STEP;
     } else if (strcmp(w[0], "phase") == 0 && nw == 2) {
         if (!ctl_phase_valid(w[1])) return -1;
@@ -313,9 +355,19 @@ static inline int ctl_format(const ctl_msg *m, char *out, size_t len)
     case CTL_READY:
         n = snprintf(out, len, "ready\n");
         break;
-    case CTL_STEP:
-        n = snprintf(out, len, "step %" PRId64 "\n", m->step);
+    case CTL_STEP: {
+        char samples[40] = "", loss[48] = "";
+        if (m->has_samples) {
+            if (m->samples < 0) return -1;
+            snprintf(samples, sizeof(samples), " samples %" PRId64, m->samples);
+        }
+        if (m->has_loss) {
+            if (!isfinite(m->loss)) return -1;
+            snprintf(loss, sizeof(loss), " loss %.9g", m->loss);
+        }
+        n = snprintf(out, len, "step %" PRId64 "%s%s\n", m->step, samples, loss);
         break;
+    }
     case CTL_PHASE:
         if (!ctl_phase_valid(m->phase)) return -1;
         n = snprintf(out, len, "phase %s\n", m->phase);

@@ -92,13 +92,15 @@ typedef enum {
 } elastic_phase;
 
 /* Progress and failure reports to the agent (best effort). Step K finished
- * (the loop is computing again) and the phase are only recorded: the
- * control thread says `step K` at once and `phase NAME` when it changes and
+ * (the loop is computing again), with the samples this process has trained
+ * on in all (-1: not reported) and the step's loss (NAN: not reported), and
+ * the phase are only recorded: the control thread says
+ * `step K samples N loss L` at once and `phase NAME` when it changes and
  * every CTL_HEARTBEAT_MS, from the first step on. `failed WHY` (a
  * first-hand failure) and `peer_lost ROUND WHY` (a peer vanished in ROUND,
  * or ROUND's group could not be built) are sent by the caller. Both setters
  * take NULL (no agent). */
-void elastic_report_step(elastic *e, int64_t step);
+void elastic_report_step(elastic *e, int64_t step, int64_t samples, double loss);
 void elastic_set_phase(elastic *e, elastic_phase phase);
 void elastic_report_failed(elastic *e, const char *why);
 void elastic_report_peer_lost(elastic *e, int64_t round, const char *why);

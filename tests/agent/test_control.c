@@ -24,6 +24,8 @@ static void roundtrip(const ctl_msg *m)
     CHECK(strcmp(back.master_addr, m->master_addr) == 0 && back.master_port == m->master_port);
     CHECK(strcmp(back.store_prefix, m->store_prefix) == 0 && back.step == m->step);
     CHECK(strcmp(back.reason, m->reason) == 0 && back.graceful == m->graceful);
+    CHECK(back.has_samples == m->has_samples && back.samples == m->samples);
+    CHECK(back.has_loss == m->has_loss && back.loss == m->loss);
 }
 
 int main(void)
@@ -48,6 +50,9 @@ int main(void)
         {.type = CTL_STOP},
         {.type = CTL_READY},
         {.type = CTL_STEP, .step = 123456789012LL},
+        {.type = CTL_STEP, .step = 3, .has_samples = 1, .samples = 384},
+        {.type = CTL_STEP, .step = 3, .has_loss = 1, .loss = 0.5},
+        {.type = CTL_STEP, .step = 3, .has_samples = 1, .samples = 0, .has_loss = 1, .loss = -2.25},
         {.type = CTL_PHASE, .phase = "compute"},
         {.type = CTL_PHASE, .phase = "comm"},
         {.type = CTL_PHASE, .phase = "a_phase_name_of_thirtyone_lette"},
@@ -59,6 +64,10 @@ int main(void)
 
     ctl_msg out;
     CHECK(ctl_parse("step 7\r\n", &out) == 0 && out.step == 7);
+    CHECK(!out.has_samples && !out.has_loss);
+    /* The optional fields come in either order. */
+    CHECK(ctl_parse("step 7 loss 1.5e-3 samples 64\n", &out) == 0 && out.step == 7);
+    CHECK(out.has_samples && out.samples == 64 && out.has_loss && out.loss == 1.5e-3);
     /* An abort without a kind is the old form: a peer is lost. */
     CHECK(ctl_parse("abort 4", &out) == 0 && out.round == 4 && !out.graceful);
     CHECK(ctl_parse("abort 4 graceful", &out) == 0 && out.graceful);
@@ -71,6 +80,16 @@ int main(void)
         "step -1",
         "step 1x",
         "step 1 2",
+        "step 1 samples",
+        "step 1 samples -5",
+        "step 1 samples 1.5",
+        "step 1 samples 2 samples 3",
+        "step 1 loss nan",
+        "step 1 loss inf",
+        "step 1 loss 1e999",
+        "step 1 loss 0.5x",
+        "step 1 loss 1 loss 2",
+        "step 1 speed 3",
         "abort",
         "abort x",
         "abort 3 maybe",

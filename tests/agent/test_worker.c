@@ -12,6 +12,8 @@
  *   $AGENT_TEST_DIR/cmd.all       one for every worker (checked every 50 ms):
  *       exit N | segv | abort | hang | ignore-term | fail REASON | peer-lost
  *       | segv-on-term (crash when the agent's SIGTERM comes)
+ *       | bad-step (send one invalid `step` line)
+ * Every 0.5 s it says `step K samples 32K loss 2/K` (stall: `phase` alone).
  *
  * AGENT_TEST_IGNORE_TERM=1 ignores SIGTERM from the start. AGENT_TEST_MESH=1
  * links the workers of a round: rank 0 listens on MASTER_PORT, the others
@@ -198,6 +200,14 @@ int main(void)
                 stall = 1;
                 say(dir, "stall");
             }
+            if (strcmp(cmd, "bad-step") == 0 && ctl >= 0) { /* once: the agent drops it */
+                const char bad[] = "step 1 loss nan\n";
+                if (write(ctl, bad, sizeof(bad) - 1) == (ssize_t)sizeof(bad) - 1)
+                    say(dir, "sent-bad-step");
+                char path[512];
+                snprintf(path, sizeof(path), "%s/cmd.%d", dir, (int)getpid());
+                unlink(path);
+            }
             if (strcmp(cmd, "hang") == 0 && !hang) {
                 hang = 1;
                 ignore_term = 1;
@@ -271,8 +281,11 @@ int main(void)
         }
         if (!hang && ctl >= 0 && mono_now_s() >= next_step) {
             char line[64];
+            /* Each step is 32 samples of this worker's own; its loss falls. */
+            if (!stall) step++;
             int len = stall ? snprintf(line, sizeof(line), "phase compute\n")
-                            : snprintf(line, sizeof(line), "step %ld\n", ++step);
+                            : snprintf(line, sizeof(line), "step %ld samples %ld loss %.4f\n", step,
+                                       32 * step, 2.0 / (double)step);
             if (write(ctl, line, (size_t)len) != len) ctl = -1;
             next_step = mono_now_s() + 0.5;
         }

@@ -5,7 +5,9 @@ values come from the job files users copy (examples/jobs) and from the
 chart's CI value files, so a change that breaks a shipped job fails here.
 """
 
+import json
 import pathlib
+import re
 
 import pytest
 
@@ -550,3 +552,141 @@ def test_chart_metadata(chart):
     assert meta["name"] == "ductile"
     assert pathlib.Path(CHART_DIR / "values.schema.json").is_file()
     assert chart.schema["additionalProperties"] is False
+
+
+# ---- monitoring: the Grafana dashboard and the PrometheusRule ----
+
+AGENT_HTTP = SOURCE / "agent" / "http.c"
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
+                "unless", "offset", "bool", "inf", "nan"}
+
+
+def exported_metrics():
+    """Every metric name the agent's /metrics declares (its # TYPE lines in agent/http.c)."""
+    found = dict(re.findall(r"# TYPE (ductile_[a-z0-9_]+) (counter|gauge)", AGENT_HTTP.read_text()))
+    assert len(found) >= 10, "no metrics found in agent/http.c"
+    return found
+
+
+def promql_metrics(expr):
+    """The metric names an expression reads: its identifiers less label matchers,
+    strings, ranges, grouping clauses, functions and keywords."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w$.])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?", e):
+        if m.group(2) or m.group(1).lower() in PROMQL_WORDS:
+            continue  # a function or aggregation, or a keyword
+        names.add(m.group(1))
+    return names
+
+
+def check_exprs(exprs, exported):
+    assert exprs
+    for expr in exprs:
+        names = promql_metrics(expr)
+        assert names, f"no metric in {expr!r}"
+        unknown = names - set(exported)
+        assert not unknown, f"{expr!r} names metrics the agent does not export: {unknown}"
+
+
+def test_metric_names_follow_prometheus_conventions():
+    for name, kind in exported_metrics().items():
+        assert name.endswith("_total") == (kind == "counter"), name
+    for name in ["ductile_worker_samples_total", "ductile_worker_samples_per_second",
+                 "ductile_worker_loss", "ductile_worker_last_step_timestamp_seconds",
+                 "ductile_worker_step"]:
+        assert name in exported_metrics(), name
+
+
+def test_metric_check_catches_an_unknown_name():
+    exported = exported_metrics()
+    assert promql_metrics('sum by (rank) (rate(ductile_worker_samples_total{job="x"}[5m]))') == \
+        {"ductile_worker_samples_total"}
+    with pytest.raises(AssertionError, match="ductile_worker_sample_total"):
+        check_exprs(["sum(rate(ductile_worker_sample_total[5m]))"], exported)
+    with pytest.raises(AssertionError, match="up"):
+        check_exprs(["max(up) and on (job) ductile_round"], exported)
+
+
+def test_monitoring_off_by_default(render):
+    r = render()
+    assert not r.of_kind("PrometheusRule")
+    assert not [c for c in r.of_kind("ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
+
+
+def test_dashboard_configmap(render):
+    r = render(CI / "monitoring.yaml")
+    cm = r.one("ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "training"}
+    dash = json.loads(cm["data"]["ductile.json"])
+    assert dash["uid"] and dash["title"] and dash["panels"]
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    check_exprs(exprs, exported_metrics())
+    # Every panel reads one job: the namespace and scrape job variables.
+    for expr in exprs:
+        assert 'namespace="$namespace"' in expr and 'job="$job"' in expr, expr
+    names = {v["name"] for v in dash["templating"]["list"]}
+    assert {"datasource", "namespace", "job"} <= names
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    # The progress the agent exports is on it.
+    shown = set().union(*(promql_metrics(e) for e in exprs))
+    assert {"ductile_worker_samples_per_second", "ductile_worker_loss",
+            "ductile_worker_last_step_timestamp_seconds", "ductile_worker_step",
+            "ductile_restarts_total"} <= shown
+
+
+def test_prometheus_rule_alerts(render):
+    r = render(CI / "monitoring.yaml")
+    rule = r.one("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    rules = {x["alert"]: x for g in rule["spec"]["groups"] for x in g["rules"]}
+    assert set(rules) == {"DuctileNoProgress", "DuctileRestartsClimbing", "DuctileJobFailing"}
+    check_exprs([x["expr"] for x in rules.values()], exported_metrics())
+    # Thresholds from the values; every rule reads this release's pods alone.
+    assert rules["DuctileNoProgress"]["expr"].endswith("> 1200")
+    assert "ductile_worker_last_step_timestamp_seconds" in rules["DuctileNoProgress"]["expr"]
+    assert "offset 1h" in rules["DuctileRestartsClimbing"]["expr"]
+    assert rules["DuctileRestartsClimbing"]["expr"].endswith(">= 2")
+    assert rules["DuctileJobFailing"]["expr"].endswith(">= 3")  # job.maxRestarts' default
+    service = r.one("Service", "-worker")["metadata"]["name"]
+    for x in rules.values():
+        assert f'namespace="{NAMESPACE}", job="{service}"' in x["expr"], x["expr"]
+        assert x["labels"]["severity"]
+        # Alertmanager templates reach the rule unrendered by Helm.
+        assert "{{ $labels.job }}" in x["annotations"]["description"]
+    # With no restart budget there is no budget to warn about.
+    r = render({"monitoring": {"prometheusRule": {"enabled": True}}, "job": {"maxRestarts": 0}})
+    alerts = [x["alert"] for g in r.one("PrometheusRule")["spec"]["groups"] for x in g["rules"]]
+    assert alerts == ["DuctileNoProgress", "DuctileRestartsClimbing"]
+
+
+def test_events_rbac_and_env(render):
+    r = render(CI / "monitoring.yaml")
+    role = r.one("Role", "-events")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    binding = r.one("RoleBinding", "-events")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    spec = r.pod_spec()
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": spec["serviceAccountName"],
+                                    "namespace": NAMESPACE}]
+    assert spec["automountServiceAccountToken"] is True
+    env = r.env()
+    assert env["DUCTILE_K8S_EVENTS"] == "true"
+    assert env["DUCTILE_K8S_JOB_NAME"] == r.workers()["metadata"]["name"]
+    assert env["DUCTILE_K8S_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["DUCTILE_K8S_JOB_UID"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
+
+
+def test_events_off_by_default(render):
+    r = render()
+    assert not r.of_kind("Role") and not r.of_kind("RoleBinding")
+    assert r.pod_spec()["automountServiceAccountToken"] is False
+    assert not [k for k in r.env() if k.startswith("DUCTILE_K8S_")]

@@ -163,6 +163,8 @@ MUTABLE = {
     "deadline": {"workers": {"job": {"activeDeadlineSeconds": 3600}}},
     "job-labels": {"workers": {"labels": {"kueue.x-k8s.io/queue-name": "team-b"}}},
     "job-annotations": {"workers": {"annotations": {"example.com/owner": "vision"}}},
+    "monitoring": {"monitoring": {"dashboard": {"enabled": True},
+                                  "prometheusRule": {"enabled": True}}},
 }
 # What it does not: the checksum changes, so _validate.tpl refuses it.
 IMMUTABLE = {
@@ -177,6 +179,7 @@ IMMUTABLE = {
     "script": {"job": {"command": ["python3", "/opt/ductile/job/train.py"],
                        "script": {"content": "print(1)"}}},
     "nccl": {"nccl": {"debug": "INFO"}},
+    "events": {"monitoring": {"events": {"enabled": True}}},
     "pod-labels": {"workers": {"podLabels": {"team": "vision"}}},
     "scheduler": {"workers": {"schedulerName": "scheduler-plugins-scheduler"}},
     "extra-env": {"workers": {"extraEnv": [{"name": "A", "value": "1"}]}},

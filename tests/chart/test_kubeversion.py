@@ -184,6 +184,9 @@ KINDS = {
     # A CRD of scheduler-plugins, only with workers.podGroup.enabled: its
     # version is the plugin's, not the cluster's.
     "scheduling.x-k8s.io/v1alpha1 PodGroup": None,
+    "monitoring.coreos.com/v1 PrometheusRule": None,  # monitoring.prometheusRule.enabled
+    "rbac.authorization.k8s.io/v1 Role": None,  # 1.8; monitoring.events.enabled
+    "rbac.authorization.k8s.io/v1 RoleBinding": None,
 }
 
 # Every optional part of the chart turned on, so its fields are classified.
@@ -214,6 +217,8 @@ EVERYTHING = {
     "podDisruptionBudget": {"enabled": True},
     "networkPolicy": {"enabled": True},
     "serviceMonitor": {"enabled": True},
+    "monitoring": {"dashboard": {"enabled": True}, "prometheusRule": {"enabled": True},
+                   "events": {"enabled": True}},
     "etcd": {"replicas": 3},
     "job": {"script": {"content": "print('hi')\n"},
             "command": ["python", "/opt/ductile/job/train.py"]},
@@ -287,7 +292,8 @@ def needed(features):
 def _everything_statefulset():
     values = with_values(EVERYTHING, {"workers": {"kind": "statefulset"},
                                       "checkpoint": {"perPod": True},
-                                      "podDisruptionBudget": {"maxUnavailable": 1}})
+                                      "podDisruptionBudget": {"maxUnavailable": 1},
+                                      "monitoring": {"events": {"enabled": False}}})
     del values["workers"]["job"]  # the Job's own settings are refused here
     return values
 

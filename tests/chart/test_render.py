@@ -51,6 +51,7 @@ STANDARD_LABELS = ["helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/component", "app.kubernetes.io/part-of"]
 
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+_DURATION = {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}
 
 
 def crd_schema(api_version, kind, spec):
@@ -89,9 +90,7 @@ SERVICE_MONITOR = crd_schema("monitoring.coreos.com/v1", "ServiceMonitor", {
                       "properties": {
                           "port": {"type": "string"},
                           "path": {"type": "string", "pattern": "^/"},
-                          "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
-                          "scrapeTimeout": {"type": "string",
-                                            "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+                          "interval": _DURATION, "scrapeTimeout": _DURATION}}}},
     },
 })
 
@@ -101,6 +100,24 @@ POD_GROUP = crd_schema("scheduling.x-k8s.io/v1alpha1", "PodGroup", {
     "type": "object", "additionalProperties": False, "required": ["minMember"],
     "properties": {"minMember": {"type": "integer", "minimum": 1},
                    "scheduleTimeoutSeconds": {"type": "integer", "minimum": 1}},
+})
+
+PROMETHEUS_RULE = crd_schema("monitoring.coreos.com/v1", "PrometheusRule", {
+    "type": "object", "additionalProperties": False, "required": ["groups"],
+    "properties": {"groups": {
+        "type": "array", "minItems": 1,
+        "items": {"type": "object", "additionalProperties": False, "required": ["name", "rules"],
+                  "properties": {
+                      "name": {"type": "string", "minLength": 1},
+                      "rules": {"type": "array", "minItems": 1, "items": {
+                          "type": "object", "additionalProperties": False,
+                          "required": ["alert", "expr"],
+                          "properties": {
+                              "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                              "expr": {"type": "string", "minLength": 1},
+                              "for": _DURATION,
+                              "labels": _LABELS,
+                              "annotations": _LABELS}}}}}}},
 })
 
 
@@ -171,6 +188,20 @@ def test_pod_group_structure(rendered):
         jsonschema.validate(strip_source(pg), POD_GROUP)
         labels = rendered.workers()["spec"]["template"]["metadata"]["labels"]
         assert labels["scheduling.x-k8s.io/pod-group"] == pg["metadata"]["name"]
+
+
+def test_prometheus_rule_structure(rendered):
+    for rule in rendered.of_kind("PrometheusRule"):
+        jsonschema.validate(strip_source(rule), PROMETHEUS_RULE)
+
+
+def test_prometheus_rule_check_catches_a_typo(render):
+    rule = strip_source(render({"monitoring": {"prometheusRule": {"enabled": True}}})
+                        .one("PrometheusRule"))
+    jsonschema.validate(rule, PROMETHEUS_RULE)
+    rule["spec"]["groups"][0]["rules"][0]["experssion"] = "up"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rule, PROMETHEUS_RULE)
 
 
 def test_service_monitor_check_catches_a_typo(render):

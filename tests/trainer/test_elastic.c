@@ -322,9 +322,11 @@ static void test_reports(void)
     ctl_msg m;
     char phase[CTL_PHASE_MAX] = "";
     elastic_set_phase(f.e, ELASTIC_PHASE_EVAL); /* before the first step: not said */
-    elastic_report_step(f.e, 17);
+    elastic_report_step(f.e, 17, 2176, 0.25);
     CHECK(read_msg(&f, &m, phase, sizeof(phase)) == 0 && m.type == CTL_STEP && m.step == 17,
           "step line");
+    CHECK(m.has_samples && m.samples == 2176 && m.has_loss && m.loss == 0.25,
+          "step line's samples and loss");
     /* The phase a step leaves the loop in is compute: said with it, or right after. */
     ctl_msg p = {0};
     while (strcmp(phase, "compute") != 0 && read_line_msg(&f, &p) == 0 && p.type == CTL_PHASE)

@@ -19,7 +19,8 @@ the same whatever the timing; waits are deadlines for something to happen:
   graceful:  rank 1's steps are slow (train.step=N-M:sleep:MS, longer than
              any grace the trainer ever had) when `abort 1 graceful` and then
              `round 2` come: no step fails, nobody reports a failure, both
-             rebuild at a step boundary and finish.
+             rebuild at a step boundary and finish; every `step` line
+             carries the rank's samples and the step's loss.
 
 Needs TRAIN, FASHION_MNIST and DUCTILE_TEST_ETCD.
 """
@@ -132,6 +133,20 @@ class Job:
             steps = json.load(f)["steps"]
         check(steps == MAX_STEPS, "%s: %s steps, want %d" % (self.name, steps, MAX_STEPS))
 
+    def check_steps(self):
+        """Every `step K` carries samples N (this rank's own, in all: the
+        same share each step here) and a finite, positive loss."""
+        for w in self.workers:
+            steps = [l.split() for l in w.said("step")]
+            check(steps, "rank %d said no step" % w.rank)
+            for words in steps:
+                check(len(words) == 6 and words[2] == "samples" and words[4] == "loss",
+                      "rank %d: %r" % (w.rank, words))
+                k, n, loss = int(words[1]), int(words[3]), float(words[5])
+                check(n > 0 and n % k == 0 and n // k == int(steps[0][3]) // int(steps[0][1]),
+                      "rank %d: step %d with %d samples (%r)" % (w.rank, k, n, steps[:3]))
+                check(0 < loss < 100, "rank %d: loss %r" % (w.rank, loss))
+
     def no_failed(self):
         for w in self.workers:
             check(not w.said("failed"), "%s rank %d said %s" % (self.name, w.rank,
@@ -208,6 +223,7 @@ def case_graceful(tmp):
         check("round 2: world 2, rebuilt in place (at a step boundary)" in j.workers[0].log(),
               "round 2 was not rebuilt at a step boundary")
         j.finish()
+        j.check_steps()
         for w in j.workers:
             check(not w.said("failed") and not w.said("peer_lost"),
                   "rank %d reported %s" % (w.rank, w.lines))

@@ -72,6 +72,9 @@ includes this, so every install, upgrade and template run checks it.
 {{- end }}
 {{- end }}
 {{- include "ductile.validatePod" . }}
+{{- if and .Values.monitoring.events.enabled (ne $kind "job") }}
+{{- fail (printf "monitoring.events.enabled needs workers.kind=job: the agents post Events on their Job, and workers.kind is %s" $kind) }}
+{{- end }}
 {{- if and $job.script.content (not (has (printf "%s/%s" $job.script.mountPath $job.script.fileName) $job.command)) }}
 {{- fail (printf "job.script is set but job.command never names %s/%s: run the script from the command" $job.script.mountPath $job.script.fileName) }}
 {{- end }}

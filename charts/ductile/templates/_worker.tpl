@@ -68,7 +68,8 @@ spec:
   subdomain: {{ include "ductile.workerName" . }}
   {{- end }}
   serviceAccountName: {{ include "ductile.serviceAccountName" . }}
-  automountServiceAccountToken: false
+  # The agent needs the API only to post Events (monitoring.events).
+  automountServiceAccountToken: {{ .Values.monitoring.events.enabled }}
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ include "ductile.gracePeriod" . }}
   {{- if $w.hostNetwork }}
@@ -136,6 +137,22 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        {{- if .Values.monitoring.events.enabled }}
+        # Events on the Job (the agent's --k8s-events); the API server and
+        # token are the in-cluster ones.
+        - name: DUCTILE_K8S_EVENTS
+          value: "true"
+        - name: DUCTILE_K8S_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
+        - name: DUCTILE_K8S_JOB_NAME
+          value: {{ include "ductile.workerName" . | quote }}
+        - name: DUCTILE_K8S_JOB_UID
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['batch.kubernetes.io/controller-uid']
+        {{- end }}
         - name: DUCTILE_NODE_ID
           valueFrom:
             fieldRef:
