@@ -90,7 +90,7 @@ SERVICE_MONITOR = crd_schema("monitoring.coreos.com/v1", "ServiceMonitor", {
                       "properties": {
                           "port": {"type": "string"},
                           "path": {"type": "string", "pattern": "^/"},
-                          "interval": _DURATION, "scrapeTimeout": _DURATION}}}},
+                          "interval": _DURATION, "scrapeTimeout": _DURATION}}},
     },
 })
 
