@@ -2,6 +2,7 @@
  *
  *   ductile-agent [options] -- COMMAND ARGS...
  *   ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]
+ *   ductile-agent reset --rdzv-endpoint URL --rdzv-id JOB
  *
  * Everything here runs before the agent starts a thread: the signals the
  * agent handles are blocked now, so that every thread inherits the mask,
@@ -23,6 +24,7 @@
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "status") == 0) return agent_status_main(argc - 1, argv + 1);
+    if (argc > 1 && strcmp(argv[1], "reset") == 0) return agent_reset_main(argc - 1, argv + 1);
     agent_opts opts;
     int rc = agent_opts_parse(argc, argv, &opts);
     if (rc != 0) return rc > 0 ? AGENT_EXIT_OK : AGENT_EXIT_USAGE;

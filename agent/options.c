@@ -117,7 +117,8 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
 static void usage(FILE *f)
 {
     fprintf(f, "usage: ductile-agent [options] [--] COMMAND ARGS...\n"
-               "       ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]\n\n"
+               "       ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]\n"
+               "       ductile-agent reset --rdzv-endpoint URL --rdzv-id JOB\n\n"
                "Runs COMMAND as K workers per node of an elastic job whose nodes meet in\n"
                "etcd. Every option also comes from its environment variable; the command\n"
                "line wins. Durations are seconds and may have decimals. Worker output is\n"
