@@ -99,17 +99,21 @@ def live_nodes(job_id):
     return set(line.split(":", 1)[1].split()) if line else set()
 
 
-@pytest.fixture(scope="module")
-def job(render):
+def run_one_node_job(render, name):
     """Renders a one-node CPU job and runs its agent (worker: `true`) to the end."""
     assert AGENT and ETCD, "DUCTILE_AGENT_BIN or DUCTILE_TEST_ETCD not set"
-    r = render({"job": {"name": "contract", "command": ["true"], "lastCall": 1}})
+    r = render({"job": {"name": name, "command": ["true"], "lastCall": 1}})
     container = r.agent()
     env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD,
                               "DUCTILE_HTTP_PORT": str(free_port())})
     assert env["DUCTILE_NODE_ADDR"] == "127.0.0.1"  # from status.podIP
     proc = run(container["command"] + container["args"], env)
     return r, proc
+
+
+@pytest.fixture(scope="module")
+def job(render):
+    return run_one_node_job(render, "contract")
 
 
 def test_agent_accepts_chart_env_and_completes_job(job):
@@ -129,14 +133,14 @@ def test_helm_test_pod_passes_for_the_job(job):
     cmd, env = helm_test_script(r)
     proc = run(cmd, env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "job contract: done" in proc.stdout
+    assert "job ml-contract: done" in proc.stdout
 
 
 def test_helm_test_pod_fails_for_an_unknown_job(render, job):
     cmd, env = helm_test_script(render({"job": {"name": "never-started"}}))
     proc = run(cmd, env)
     assert proc.returncode != 0
-    assert "no job never-started in etcd" in proc.stderr
+    assert "no job ml-never-started in etcd" in proc.stderr
 
 
 def test_helm_test_pod_fails_without_etcd(job):
@@ -145,6 +149,54 @@ def test_helm_test_pod_fails_without_etcd(job):
     env["DUCTILE_RDZV_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
     proc = run(cmd, env)
     assert proc.returncode != 0
+
+
+# ---- the pre-install check (an existing etcd) ----
+
+EXTERNAL = {"etcd": {"enabled": False, "external": {"endpoints": ["http://127.0.0.1:2379"]}}}
+
+
+def check_hook(render, name, start_over=False):
+    r = render({**EXTERNAL, "job": {"name": name, "startOver": start_over}})
+    job = r.one("Job", "-check")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return run(container["command"], pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD}))
+
+
+def test_check_refuses_an_ended_job_in_one_line(render, job):
+    proc = check_hook(render, "contract")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "job ml-contract has ended (done)" in lines[0]
+    assert "set job.startOver=true" in lines[0]
+
+
+def test_check_passes_a_new_job(render, job):
+    proc = check_hook(render, "contract-new")
+    assert proc.returncode == 0, proc.stderr
+    assert "job ml-contract-new: not ended" in proc.stdout
+
+
+def test_check_fails_without_etcd(render, job):
+    r = render({**EXTERNAL, "job": {"name": "contract"}})
+    container = r.one("Job", "-check")["spec"]["template"]["spec"]["containers"][0]
+    env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
+    assert run(container["command"], env).returncode != 0
+
+
+def test_start_over_deletes_the_ended_job_and_it_trains_again(render):
+    _, proc = run_one_node_job(render, "contract-over")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert check_hook(render, "contract-over").returncode != 0
+    proc = check_hook(render, "contract-over", start_over=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "job ml-contract-over: " in proc.stdout and "key(s) deleted" in proc.stdout
+    assert check_hook(render, "contract-over").returncode == 0
+    # The same id trains again, from round 1.
+    _, proc = run_one_node_job(render, "contract-over")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "round 1 frozen" in proc.stdout + proc.stderr
 
 
 # ---- the Indexed Job, with the Job controller played by jobsim ----
@@ -266,7 +318,7 @@ def test_indexed_job_kill_scale_and_complete(render, workdir, cleanup):
     r1 = wait_until(lambda: running_round(workdir, pods()), "a round of indices 0..3",
                     tick=ctl.sync)
     # The node ids are the pods' names, each with its index.
-    assert live_nodes("contract-job") == {p.name for p in pods()}
+    assert live_nodes("ml-contract-job") == {p.name for p in pods()}
 
     # Index 1 dies at once (an OOM kill). A pod loss is a membership change
     # for the others; the Job controller counts the failure and recreates
@@ -283,7 +335,7 @@ def test_indexed_job_kill_scale_and_complete(render, workdir, cleanup):
     (dead,) = [f for f in ctl.finished if f.pod is killed]
     assert dead.exit_code == 137 and dead.action == "Count"
     assert ctl.failed == 1 and ctl.condition is None
-    assert replacement.name in live_nodes("contract-job")
+    assert replacement.name in live_nodes("ml-contract-job")
 
     # Scale to 2: the pods of indices 2 and 3 get SIGTERM and leave cleanly.
     leaving = [ctl.active[2], ctl.active[3]]
@@ -405,7 +457,7 @@ def test_index_only_node_ids_would_collide(render, workdir, cleanup):
     second = None
     try:
         # Registered; it waits for a second node (minNodes 2).
-        wait_until(lambda: node in live_nodes("contract-dup") or first.poll(),
+        wait_until(lambda: node in live_nodes("ml-contract-dup") or first.poll(),
                    "the first agent to register")
         assert first.poll() is None
         first.kill()
@@ -422,7 +474,7 @@ def test_index_only_node_ids_would_collide(render, workdir, cleanup):
                 pytest.fail("the replacement exited %d: %s" % (second.returncode, text))
             return "which is gone: took its place" in text
         wait_until(took_over, "the replacement to take the dead agent's registration over")
-        assert node in live_nodes("contract-dup")
+        assert node in live_nodes("ml-contract-dup")
         # Refused instead (an old address that does not answer), its exit
         # status would be counted by the Job: that is what the pod name avoids.
         assert pod_failure_action(r.workers(), 1) == "Count"
@@ -431,3 +483,65 @@ def test_index_only_node_ids_would_collide(render, workdir, cleanup):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# ---- the chart's own etcd over TLS, with the certificates the chart makes ----
+
+
+def test_generated_tls_certificates_work_for_etcd_and_agent(render, tmp_path):
+    """The chart's generated CA and certificate, written out as the Secret's
+    volume would hold them, serve a real etcd with the rendered TLS flags
+    (clients and peers must show a certificate the CA signed); the agent
+    with the chart's env completes a job over it, and a client without the
+    certificate is refused."""
+    r = render({"job": {"name": "contract-tls", "command": ["true"], "lastCall": 1},
+                "etcd": {"tls": {"enabled": True}}})
+    import base64
+    secret = r.one("Secret", "-etcd-tls")
+    for k, v in secret["data"].items():
+        (tmp_path / k).write_bytes(base64.b64decode(v))
+        (tmp_path / k).chmod(0o600)
+    args = r.one("StatefulSet", "-etcd")["spec"]["template"]["spec"]["containers"][0]["args"]
+    tls_flags = [a.replace("/etc/etcd/tls", str(tmp_path)) for a in args
+                 if a.split("=")[0] in ("--cert-file", "--key-file", "--trusted-ca-file",
+                                        "--client-cert-auth", "--peer-cert-file",
+                                        "--peer-key-file", "--peer-trusted-ca-file",
+                                        "--peer-client-cert-auth")]
+    assert len(tls_flags) == 8, args
+    port, peer = free_port(), free_port()
+    client, peer_url = f"https://127.0.0.1:{port}", f"https://127.0.0.1:{peer}"
+    with open(tmp_path / "etcd.log", "w") as log:
+        etcd = subprocess.Popen(
+            ["etcd", "--name", "e", "--data-dir", str(tmp_path / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"e={peer_url}", "--initial-cluster-state", "new"] + tls_flags,
+            stdout=log, stderr=log)
+    try:
+        container = r.agent()
+        env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": client,
+                                  "DUCTILE_HTTP_PORT": str(free_port())})
+        for k in ("DUCTILE_ETCD_CACERT", "DUCTILE_ETCD_CERT", "DUCTILE_ETCD_KEY"):
+            assert env[k].startswith("/etc/ductile/etcd-tls/"), env[k]
+            env[k] = env[k].replace("/etc/ductile/etcd-tls", str(tmp_path))
+        assert r.env()["DUCTILE_RDZV_ENDPOINT"].startswith("https://")
+
+        def status(e):
+            return run([AGENT, "status", "--rdzv-id", "ml-contract-tls"], e)
+        wait_until(lambda: status(env).returncode == 0, "etcd over TLS to answer")
+        proc = run(container["command"] + container["args"], env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "job ml-contract-tls: done" in status(env).stdout
+        # Without a client certificate etcd refuses the connection.
+        bare = {k: v for k, v in env.items() if k not in ("DUCTILE_ETCD_CERT", "DUCTILE_ETCD_KEY")}
+        assert status(bare).returncode == 1
+        # The `helm test` pod's script reads it with the same settings.
+        pod = r.one("Pod", "-test-rendezvous")["spec"]["containers"][0]
+        tenv = pod_env(pod, {"DUCTILE_RDZV_ENDPOINT": client})
+        for k in ("DUCTILE_ETCD_CACERT", "DUCTILE_ETCD_CERT", "DUCTILE_ETCD_KEY"):
+            tenv[k] = tenv[k].replace("/etc/ductile/etcd-tls", str(tmp_path))
+        proc = run(pod["command"], tenv)
+        assert proc.returncode == 0 and "job ml-contract-tls: done" in proc.stdout, proc.stderr
+    finally:
+        etcd.kill()
+        etcd.wait()

@@ -84,6 +84,7 @@ FIELDS = {
     # which only an elastic Indexed Job allows.
     "Job.spec.completions": "ElasticIndexedJob",
     "Job.spec.backoffLimit": None,
+    "Job.spec.activeDeadlineSeconds": None,
     "Job.spec.ttlSecondsAfterFinished": "TTLAfterFinished",
     "Job.spec.completionMode": "IndexedJob",
     "Job.spec.backoffLimitPerIndex": "JobBackoffLimitPerIndex",
@@ -140,6 +141,7 @@ FIELDS = {
     "Container.resources": None,
     "Container.securityContext": None,
     "Container.volumeMounts": None,
+    "Container.terminationMessagePolicy": None,
     "SecurityContext.allowPrivilegeEscalation": None,
     "SecurityContext.privileged": None,
     "SecurityContext.readOnlyRootFilesystem": None,
