@@ -621,7 +621,9 @@ def case_etcd_away(job):
     clock. Back, etcd has counted the leases out; each agent finds its
     registration gone, stops its workers, registers again and joins the next
     round, whose workers start again (from their checkpoint); nothing is
-    counted against the restart budget and the job completes."""
+    counted against the restart budget. Then etcd killed for three TTLs and
+    started again: a new leader renews every lease, so that round and its
+    workers live on. The job completes."""
     ttl = 3
     job.flags += ["--lease-ttl", str(ttl), "--last-call", "0.5", "--stop-grace", "2",
                   "--nnodes", "2", "--max-restarts", "3"]
@@ -648,7 +650,27 @@ def case_etcd_away(job):
     st = status_of(job)
     check(st["restarts"] == 0 and st["job_state"] == "running",
           "nothing counted, the job runs: %r" % st)
-    finish_with(job, (a, b))
+    # etcd killed and started again after three TTLs: a new leader renews
+    # every lease, so the round and its workers live on.
+    job.wait_round(2, 20, newer_than=r1)
+    second = {w["_pid"] for w in job.round_workers(r2)}
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        argv = [x.decode() for x in f.read().split(b"\0") if x]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(3 * ttl)
+    log = open(os.path.join(job.dir, "etcd2.log"), "w")
+    etcd = subprocess.Popen(argv, stdout=log, stderr=log)
+    try:
+        time.sleep(3 * ttl)
+        check(a.alive() and b.alive(), "agents alive after etcd's restart")
+        check(all(pid_alive(p) for p in second), "round %d's workers live on" % r2)
+        check(job.running_round(2) == r2 and status_of(job)["round"] == r2,
+              "no new round after etcd's restart: %r" % status_of(job))
+        check(" round %d left" % r2 not in a.log() + b.log(), "no agent left round %d" % r2)
+        finish_with(job, (a, b))
+    finally:
+        etcd.kill()
+        etcd.wait()
 
 
 def case_inplace(job):
