@@ -50,8 +50,9 @@ INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 DEADLINE = 90
 
 
-def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None):
-    """The container's env as the kubelet would set it, plus overrides."""
+def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None, secrets=None):
+    """The container's env as the kubelet would set it, plus overrides;
+    secrets maps (Secret name, key) to the value a secretKeyRef reads."""
     env = {"PATH": os.path.dirname(AGENT) + os.pathsep + os.environ["PATH"]}
     for k in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"):
         if k in os.environ:
@@ -65,6 +66,9 @@ def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None):
             env[e["name"]] = e["value"]
         elif "fieldRef" in e.get("valueFrom", {}):
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in e.get("valueFrom", {}) and secrets:
+            ref = e["valueFrom"]["secretKeyRef"]
+            env[e["name"]] = secrets[(ref["name"], ref["key"])]
         else:
             pytest.fail(f"env {e['name']} comes from {e['valueFrom']}: not set up here")
     if index is not None:
@@ -488,6 +492,21 @@ def test_index_only_node_ids_would_collide(render, workdir, cleanup):
 # ---- the chart's own etcd over TLS, with the certificates the chart makes ----
 
 
+def start_etcd(workdir, scheme, flags):
+    """A one-member etcd of its own (data and log in workdir), as the chart
+    would start it: (process, client URL)."""
+    client = f"{scheme}://127.0.0.1:{free_port()}"
+    peer = f"{scheme}://127.0.0.1:{free_port()}"
+    with open(workdir / "etcd.log", "w") as log:
+        proc = subprocess.Popen(
+            ["etcd", "--name", "e", "--data-dir", str(workdir / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"e={peer}", "--initial-cluster-state", "new"] + flags,
+            stdout=log, stderr=log)
+    return proc, client
+
+
 def test_generated_tls_certificates_work_for_etcd_and_agent(render, tmp_path):
     """The chart's generated CA and certificate, written out as the Secret's
     volume would hold them, serve a real etcd with the rendered TLS flags
@@ -508,15 +527,7 @@ def test_generated_tls_certificates_work_for_etcd_and_agent(render, tmp_path):
                                         "--peer-key-file", "--peer-trusted-ca-file",
                                         "--peer-client-cert-auth")]
     assert len(tls_flags) == 8, args
-    port, peer = free_port(), free_port()
-    client, peer_url = f"https://127.0.0.1:{port}", f"https://127.0.0.1:{peer}"
-    with open(tmp_path / "etcd.log", "w") as log:
-        etcd = subprocess.Popen(
-            ["etcd", "--name", "e", "--data-dir", str(tmp_path / "data"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"e={peer_url}", "--initial-cluster-state", "new"] + tls_flags,
-            stdout=log, stderr=log)
+    etcd, client = start_etcd(tmp_path, "https", tls_flags)
     try:
         container = r.agent()
         env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": client,
@@ -543,5 +554,62 @@ def test_generated_tls_certificates_work_for_etcd_and_agent(render, tmp_path):
         proc = run(pod["command"], tenv)
         assert proc.returncode == 0 and "job ml-contract-tls: done" in proc.stdout, proc.stderr
     finally:
+        etcd.kill()
+        etcd.wait()
+
+
+# ---- the chart's own etcd with auth: the post-install hook turns it on ----
+
+
+def test_etcd_auth_hook_and_agents(render, tmp_path):
+    """A real etcd started as the chart starts it (no auth yet); the agent
+    with the chart's env starts first and waits; the post-install hook's
+    etcdctl steps, run as the kubelet would run them, add root with the
+    chart's password and turn auth on; the job completes, and etcd now
+    refuses a client without the password."""
+    import base64
+    import re
+    import shutil
+    if not shutil.which("etcdctl"):
+        pytest.fail("etcdctl (Debian's etcd-client) is needed")
+    r = render({"job": {"name": "contract-auth", "command": ["true"], "lastCall": 1},
+                "etcd": {"auth": {"enabled": True}}})
+    secret = r.one("Secret", "-etcd-auth")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert len(password) == 32
+    secrets = {(secret["metadata"]["name"], "password"): password}
+    etcd, client = start_etcd(tmp_path, "http", [])
+    agent = None
+    try:
+        container = r.agent()
+        env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": client,
+                                  "DUCTILE_HTTP_PORT": str(free_port())}, secrets=secrets)
+        assert env["DUCTILE_ETCD_USER"] == "root" and env["DUCTILE_ETCD_PASSWORD"] == password
+        bare = {k: v for k, v in env.items() if not k.startswith("DUCTILE_ETCD_")}
+        wait_until(lambda: run([AGENT, "status", "--rdzv-id", "x"], bare).returncode == 0,
+                   "etcd to answer")
+        with open(tmp_path / "agent.log", "w") as log:
+            agent = subprocess.Popen(container["command"] + container["args"], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        time.sleep(1)
+        hook = r.one("Job", "-etcd-auth")
+        assert hook["metadata"]["annotations"]["helm.sh/hook"] == "post-install"
+        spec = hook["spec"]["template"]["spec"]
+        for c in spec["initContainers"] + spec["containers"]:
+            cenv = pod_env(c, {"ETCDCTL_ENDPOINTS": client}, secrets=secrets)
+            args = [re.sub(r"\$\((\w+)\)", lambda m: cenv[m.group(1)], a) for a in c["args"]]
+            proc = run(["etcdctl"] + args, dict(cenv, PATH=os.environ["PATH"]))
+            assert proc.returncode == 0, (c["name"], proc.stdout, proc.stderr)
+        assert agent.wait(DEADLINE) == 0, (tmp_path / "agent.log").read_text()
+        proc = run([AGENT, "status", "--rdzv-id", "ml-contract-auth"], env)
+        assert "job ml-contract-auth: done" in proc.stdout, proc.stderr
+        # Without the password etcd refuses; with a wrong one too.
+        assert run([AGENT, "status", "--rdzv-id", "ml-contract-auth"], bare).returncode == 1
+        wrong = dict(env, DUCTILE_ETCD_PASSWORD="wrong")
+        assert run([AGENT, "status", "--rdzv-id", "ml-contract-auth"], wrong).returncode == 1
+    finally:
+        if agent and agent.poll() is None:
+            agent.kill()
+            agent.wait()
         etcd.kill()
         etcd.wait()

@@ -122,6 +122,7 @@ FIELDS = {
     "PodSpec.affinity": None,
     "PodSpec.topologySpreadConstraints": "EvenPodsSpread",
     "PodSpec.containers": None,
+    "PodSpec.initContainers": None,
     "PodSpec.volumes": None,
     "PodSecurityContext.runAsNonRoot": None,
     "PodSecurityContext.runAsUser": None,
@@ -170,6 +171,7 @@ KINDS = {
     "v1 Service": None,
     "v1 ServiceAccount": None,
     "v1 ConfigMap": None,
+    "v1 Secret": None,
     "v1 PersistentVolumeClaim": None,
     "v1 Pod": None,
     # A CRD of the Prometheus Operator, only with serviceMonitor.enabled:

@@ -207,7 +207,61 @@ def test_etcd_plain_by_default(render):
     assert not r.of_kind("Secret")
 
 
+AUTH_CASES = [(n, tls, given) for n in (1, 3) for tls in (False, True) for given in ("", "pw")]
+
+
+@pytest.mark.parametrize("replicas,tls,given", AUTH_CASES,
+                         ids=[f"{n}-members{'-tls' if t else ''}-{'given' if g else 'made'}"
+                              for n, t, g in AUTH_CASES])
+def test_etcd_auth(render, replicas, tls, given):
+    r = render({"etcd": {"replicas": replicas, "tls": {"enabled": tls},
+                         "auth": {"enabled": True, "secretName": given}}})
+    secret_name = given or "demo-ductile-etcd-auth"
+    made = [s for s in r.of_kind("Secret") if s["metadata"]["name"].endswith("-etcd-auth")]
+    assert bool(made) != bool(given)
+    ref = {"secretKeyRef": {"name": secret_name, "key": "password"}}
+    # The agents, the helm test pod and the hook's etcdctl all get the password.
+    assert r.env()["DUCTILE_ETCD_USER"] == "root"
+    assert r.env()["DUCTILE_ETCD_PASSWORD"] == ref
+    test_pod = r.one("Pod", "-test-rendezvous")["spec"]["containers"][0]
+    assert r.env(test_pod)["DUCTILE_ETCD_PASSWORD"] == ref
+    hook = r.one("Job", "-etcd-auth")
+    assert hook in r.hooks and hook["metadata"]["annotations"]["helm.sh/hook"] == "post-install"
+    spec = hook["spec"]["template"]["spec"]
+    steps = [c["args"] for c in spec["initContainers"] + spec["containers"]]
+    assert steps[0][:3] == ["user", "add", "root"] and steps[-1] == ["auth", "enable"]
+    for c in spec["initContainers"] + spec["containers"]:
+        env = r.env(c)
+        assert c["image"].startswith("quay.io/coreos/etcd:")
+        assert env["ETCD_ROOT_PASSWORD"] == ref
+        assert env["ETCDCTL_ENDPOINTS"] == r.env()["DUCTILE_RDZV_ENDPOINT"]
+        assert env["ETCDCTL_ENDPOINTS"].count("https://" if tls else "http://") == replicas
+        assert ("ETCDCTL_CERT" in env) == tls
+        if tls:
+            mounts = {m["name"] for m in c["volumeMounts"]}
+            assert mounts == {v["name"] for v in spec["volumes"]}
+
+
+def test_made_auth_password_is_random(render):
+    import base64
+    pw = [base64.b64decode(render({"etcd": {"auth": {"enabled": True}}})
+                           .one("Secret", "-etcd-auth")["data"]["password"]) for _ in range(2)]
+    assert len(pw[0]) == 32 and pw[0] != pw[1]
+
+
+def test_no_auth_by_default(render):
+    r = render({})
+    assert "DUCTILE_ETCD_USER" not in r.env() and "DUCTILE_ETCD_PASSWORD" not in r.env()
+    assert not [j for j in r.of_kind("Job") if j["metadata"]["name"].endswith("-etcd-auth")]
+
+
 BAD_ETCD = [
+    ("auth-secret-without-auth", {"etcd": {"auth": {"secretName": "pw"}}},
+     "etcd.auth.secretName"),
+    ("auth-on-external", {"etcd": {"enabled": False, "auth": {"enabled": True},
+                                   "external": {"endpoints": ["http://etcd:2379"]}}},
+     "etcd.auth.enabled"),
+    ("auth-typo", {"etcd": {"auth": {"user": "root"}}}, "/etcd/auth"),
     ("two-members", {"etcd": {"replicas": 2}}, "/etcd/replicas"),
     ("tls-secret-without-tls", {"etcd": {"tls": {"secretName": "certs"}}},
      "etcd.tls.secretName"),

@@ -149,6 +149,14 @@ namespaces never share keys on one etcd. */}}
     secretKeyRef:
       name: {{ .Values.etcd.external.auth.secretName }}
       key: {{ .Values.etcd.external.auth.passwordKey }}
+{{- else if and .Values.etcd.enabled .Values.etcd.auth.enabled }}
+- name: DUCTILE_ETCD_USER
+  value: root
+- name: DUCTILE_ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ductile.etcdAuthSecret" . }}
+      key: password
 {{- end }}
 {{- end }}
 
@@ -170,6 +178,12 @@ ca: {{ $t.caKey }}
 cert: {{ $t.certKey }}
 key: {{ $t.keyKey }}
 {{- end }}
+{{- end }}
+
+{{/* The Secret of the root user's password of the chart's own etcd: given,
+or made by the chart. */}}
+{{- define "ductile.etcdAuthSecret" -}}
+{{- default (printf "%s-auth" (include "ductile.etcdName" .)) .Values.etcd.auth.secretName }}
 {{- end }}
 
 {{/* The Secret of the chart's own etcd's certificates: given, or made by the chart. */}}
@@ -233,7 +247,7 @@ imagePullSecrets:
 {{- end }}
 {{- with (include "ductile.etcdTLSVolume" .) }}
 volumes:
-  {{- . | nindent 2 }}
+  {{- . | trim | nindent 2 }}
 {{- end }}
 {{- end }}
 
@@ -252,6 +266,47 @@ securityContext:
   {{- include "ductile.containerSecurityContext" (dict "readOnly" true) | nindent 2 }}
 {{- with (include "ductile.etcdTLSVolumeMount" .) }}
 volumeMounts:
-  {{- . | nindent 2 }}
+  {{- . | trim | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* etcdctl of the etcd image against the chart's own etcd (its endpoints
+and TLS files in ETCDCTL_* variables, the root password in
+ETCD_ROOT_PASSWORD); the caller adds the name and args. */}}
+{{- define "ductile.etcdctlContainer" -}}
+image: "{{ .Values.etcd.image.repository }}:{{ .Values.etcd.image.tag }}"
+imagePullPolicy: {{ .Values.etcd.image.pullPolicy }}
+command: [/usr/local/bin/etcdctl]
+env:
+  - name: ETCDCTL_API
+    value: "3"
+  - name: ETCDCTL_ENDPOINTS
+    value: {{ include "ductile.etcdEndpoints" . | quote }}
+  {{- with (include "ductile.etcdTLSKeys" . | fromYaml) }}
+  {{- if .secret }}
+  - name: ETCDCTL_CACERT
+    value: /etc/ductile/etcd-tls/{{ .ca }}
+  - name: ETCDCTL_CERT
+    value: /etc/ductile/etcd-tls/{{ .cert }}
+  - name: ETCDCTL_KEY
+    value: /etc/ductile/etcd-tls/{{ .key }}
+  {{- end }}
+  {{- end }}
+  - name: ETCD_ROOT_PASSWORD
+    valueFrom:
+      secretKeyRef:
+        name: {{ include "ductile.etcdAuthSecret" . }}
+        key: password
+resources:
+  requests:
+    cpu: 50m
+    memory: 64Mi
+  limits:
+    memory: 128Mi
+securityContext:
+  {{- include "ductile.containerSecurityContext" (dict "readOnly" true) | nindent 2 }}
+{{- with (include "ductile.etcdTLSVolumeMount" .) }}
+volumeMounts:
+  {{- . | trim | nindent 2 }}
 {{- end }}
 {{- end }}

@@ -38,6 +38,13 @@ includes this, so every install, upgrade and template run checks it.
 {{- end }}
 {{- $ext := .Values.etcd.external }}
 {{- $tls := .Values.etcd.tls }}
+{{- $auth := .Values.etcd.auth }}
+{{- if and $auth.secretName (not $auth.enabled) }}
+{{- fail (printf "etcd.auth.secretName %q is set but etcd.auth.enabled is false: set etcd.auth.enabled=true to require the root user's password" $auth.secretName) }}
+{{- end }}
+{{- if and $auth.enabled (not .Values.etcd.enabled) }}
+{{- fail "etcd.auth.enabled is true but etcd.enabled is false: it configures the chart's own etcd; for an existing one set etcd.external.auth.secretName" }}
+{{- end }}
 {{- if and $tls.secretName (not $tls.enabled) }}
 {{- fail (printf "etcd.tls.secretName %q is set but etcd.tls.enabled is false: set etcd.tls.enabled=true to serve etcd over TLS" $tls.secretName) }}
 {{- end }}
@@ -56,6 +63,12 @@ lookup finds nothing, not even kube-system). */}}
 {{- if not (hasKey (default dict $given.data) $k) }}
 {{- fail (printf "etcd.tls.secretName: Secret %q has no key %s (it needs ca.crt, tls.crt and tls.key)" $tls.secretName $k) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- if and $auth.enabled $auth.secretName (lookup "v1" "Namespace" "" "kube-system") }}
+{{- $given := lookup "v1" "Secret" .Release.Namespace $auth.secretName }}
+{{- if not (hasKey (default dict (get (default dict $given) "data")) "password") }}
+{{- fail (printf "etcd.auth.secretName: Secret %q in namespace %s is missing or has no key password: create it, or leave etcd.auth.secretName empty to have the chart make one" $auth.secretName .Release.Namespace) }}
 {{- end }}
 {{- end }}
 {{- else }}
