@@ -599,6 +599,7 @@ def case_reset_ended_job(job):
     check(status_of(job)["job_state"] == "none", "no trace of the job after reset")
     r = run_agent(reset)
     check(r.returncode == 0 and "0 key(s) deleted" in r.stdout, "reset again: %r" % r.stdout)
+    os.remove(os.path.join(job.dir, "cmd.all"))  # the first run's "exit 0"
     c = job.start("node-c")
     rnd = job.wait_round(1, 60)
     check(rnd == 1, "the id starts over at round 1, got %d" % rnd)
