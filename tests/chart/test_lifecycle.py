@@ -228,6 +228,10 @@ def test_etcd_auth(render, replicas, tls, given):
     hook = r.one("Job", "-etcd-auth")
     assert hook in r.hooks and hook["metadata"]["annotations"]["helm.sh/hook"] == "post-install"
     spec = hook["spec"]["template"]["spec"]
+    # No selector of the members (StatefulSet, Services) matches the hook's pod.
+    labels = hook["spec"]["template"]["metadata"]["labels"]
+    members = r.one("StatefulSet", "-etcd")["spec"]["selector"]["matchLabels"]
+    assert any(labels.get(k) != v for k, v in members.items())
     steps = [c["args"] for c in spec["initContainers"] + spec["containers"]]
     assert steps[0][:3] == ["user", "add", "root"] and steps[-1] == ["auth", "enable"]
     for c in spec["initContainers"] + spec["containers"]:
