@@ -39,6 +39,10 @@ FEATURES = {
     # completionMode: Indexed. Gate IndexedJob: alpha 1.21 (off), beta 1.22
     # (on), GA 1.24 (KEP-2214).
     "IndexedJob": ((1, 22), (1, 24)),
+    # StatefulSet.spec.persistentVolumeClaimRetentionPolicy. Gate
+    # StatefulSetAutoDeletePVC: alpha 1.23, beta 1.27 (on), GA 1.32
+    # (KEP-1847).
+    "StatefulSetAutoDeletePVC": ((1, 27), (1, 32)),
     # Resizing an Indexed Job by changing completions with parallelism.
     # Gate ElasticIndexedJob: beta 1.27 (on), GA 1.31 (KEP-3715).
     "ElasticIndexedJob": ((1, 27), (1, 31)),
@@ -103,6 +107,7 @@ FIELDS = {
     "StatefulSet.spec.selector": None,
     "StatefulSet.spec.template": None,
     "StatefulSet.spec.volumeClaimTemplates": None,
+    "StatefulSet.spec.persistentVolumeClaimRetentionPolicy": "StatefulSetAutoDeletePVC",
     "PodDisruptionBudget.spec.minAvailable": None,
     "PodDisruptionBudget.spec.maxUnavailable": None,
     "PodDisruptionBudget.spec.selector": None,

@@ -286,3 +286,21 @@ def test_bad_etcd_values_are_one_line_naming_the_key(chart, values, key):
     message = str(err.value).strip()
     assert key in message, message
     assert len(message.splitlines()) == 1 or key in message.splitlines()[-1], message
+
+
+# ---- the chart's etcd volumes go with the release unless kept ----
+
+@pytest.mark.parametrize("keep,policy", [(None, "Delete"), (False, "Delete"), (True, "Retain")])
+def test_etcd_volumes_go_with_the_release(render, keep, policy):
+    persistence = {} if keep is None else {"keepOnUninstall": keep}
+    r = render({"etcd": {"persistence": persistence}})
+    spec = r.one("StatefulSet", "-etcd")["spec"]
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": policy,
+                                                            "whenScaled": "Retain"}
+    # NOTES say to delete the volumes by hand only when they are kept.
+    assert ("component=etcd" in r.notes) == (policy == "Retain")
+
+
+def test_no_retention_policy_without_volumes(render):
+    spec = render({"etcd": {"persistence": {"enabled": False}}}).one("StatefulSet", "-etcd")["spec"]
+    assert "persistentVolumeClaimRetentionPolicy" not in spec and "volumeClaimTemplates" not in spec
