@@ -9,6 +9,14 @@ a real etcd on 127.0.0.1 (this test runs under with-etcd).
   a one-node job to completion; the `helm test` pod's script, taken from
   the rendered test pod, passes for that job and fails for a job etcd has
   never seen, and when etcd cannot be reached.
+- The pre-install check (an existing etcd): its script, taken from the
+  rendered hook Job, refuses an ended job in one line naming job.startOver,
+  passes a new one, and with job.startOver deletes the old job so that the
+  id trains again.
+- The chart's own etcd over TLS: the certificates the chart makes serve a
+  real etcd with the rendered flags, and the agent and the `helm test`
+  script use them; with auth: the agent starts first and waits while the
+  post-install hook's etcdctl steps turn auth on with the chart's password.
 - The Indexed Job: the test plays the Job controller's part (jobsim.py)
   with the rendered Job and real agents, their workers the agents' test
   worker (tests/agent/test_worker.c). Pods for indices 0..3; one is killed
