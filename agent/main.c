@@ -3,6 +3,7 @@
  *   ductile-agent [options] -- COMMAND ARGS...
  *   ductile-agent [torchrun's options] SCRIPT.py ARGS...   (or -m MODULE)
  *   ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]
+ *   ductile-agent reset --rdzv-endpoint URL --rdzv-id JOB
  *
  * Everything here runs before the agent starts a thread: the signals the
  * agent handles are blocked now, so that every thread inherits the mask,
@@ -26,6 +27,7 @@ static int agent_main(agent_opts *o);
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "status") == 0) return agent_status_main(argc - 1, argv + 1);
+    if (argc > 1 && strcmp(argv[1], "reset") == 0) return agent_reset_main(argc - 1, argv + 1);
     agent_opts opts;
     int rc = agent_opts_parse(argc, argv, &opts);
     int code = rc != 0 ? (rc > 0 ? AGENT_EXIT_OK : AGENT_EXIT_USAGE) : agent_main(&opts);

@@ -1,11 +1,12 @@
-/* status.c: `ductile-agent status`: what etcd says about a job, and what
- * each member's agent says about its workers' progress.
+/* status.c: `ductile-agent status` and `ductile-agent reset`: a job in etcd,
+ * and what each member's agent says about its workers' progress.
  *
  *   ductile-agent status --rdzv-endpoint URL --rdzv-id JOB [--json]
  *                        [--metrics-port PORT]
+ *   ductile-agent reset  --rdzv-endpoint URL --rdzv-id JOB
  *
- * One read through rdzv_get_status(); text for people, --json for scripts
- * (the object rdzv_status_json() makes). With --metrics-port (or
+ * status: one read through rdzv_get_status(); text for people, --json for
+ * scripts (the object rdzv_status_json() makes). With --metrics-port (or
  * DUCTILE_HTTP_PORT), the /metrics page of every member of the round is
  * read at its address, all at once with a short timeout, and each node's
  * step, samples/s, loss and age of its last step are shown: progress is
@@ -13,6 +14,13 @@
  * docs/design.md). Exit 0 when the job was read (even when it does not
  * exist: state "none"; an agent that does not answer is shown so), 1 when
  * etcd could not be read, 2 on bad flags.
+ *
+ * reset: deletes the job's keys (rdzv_reset()), so that its id starts over
+ * as a new job: a job that ended (done or failed) keeps its state in etcd,
+ * and agents started again under its id would find it ended at once. Exit 0
+ * when the keys are gone (or there were none), 1 when etcd could not be
+ * written, 2 on bad flags, 3 when an agent of the job is alive (nothing is
+ * deleted then).
  */
 #include "status.h"
 
@@ -21,6 +29,7 @@
 #include <cJSON.h>
 #include <curl/curl.h>
 #include <math.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -173,16 +182,89 @@ static void print_progress(const node_progress *p, double now)
     }
 }
 
-static void status_usage(FILE *f)
+static void status_usage(FILE *f, const char *cmd)
 {
-    fprintf(f, "usage: ductile-agent status --rdzv-endpoint URL[,URL...] --rdzv-id JOB [--json]\n"
-               "                            [--metrics-port PORT]\n"
-               "                            [--etcd-cacert F --etcd-cert F --etcd-key F]\n"
-               "                            [--etcd-user U --etcd-password P]\n"
-               "With --metrics-port, each member's /metrics at its address gives its\n"
-               "progress (step, samples/s, loss, age of the last step).\n"
-               "Flags also come from DUCTILE_RDZV_ENDPOINT, DUCTILE_RDZV_ID, DUCTILE_ETCD_*,\n"
-               "DUCTILE_HTTP_PORT.\n");
+    int status = strcmp(cmd, "status") == 0;
+    fprintf(f,
+            "usage: ductile-agent %s --rdzv-endpoint URL[,URL...] --rdzv-id JOB%s\n"
+            "                     [--etcd-cacert F --etcd-cert F --etcd-key F]\n"
+            "                     [--etcd-user U --etcd-password P]\n"
+            "%s"
+            "Flags also come from DUCTILE_RDZV_ENDPOINT, DUCTILE_RDZV_ID, DUCTILE_ETCD_*%s.\n",
+            cmd, status ? " [--json] [--metrics-port PORT]" : "",
+            status ? "With --metrics-port, each member's /metrics at its address gives its\n"
+                     "progress (step, samples/s, loss, age of the last step).\n"
+                   : "",
+            status ? ", DUCTILE_HTTP_PORT" : "");
+}
+
+/* The flags status and reset share. Returns 0, 1 after --help, or 2 on a bad
+ * flag (reported); status only (json and port not NULL): --json sets *json,
+ * --metrics-port (or DUCTILE_HTTP_PORT) *port. */
+static int job_flags(int argc, char **argv, rdzv_etcd *etcd, const char **job, int *json, int *port)
+{
+    const char *cmd = argv[0];
+    const char *port_text = port ? getenv("DUCTILE_HTTP_PORT") : NULL;
+    etcd->endpoints = getenv("DUCTILE_RDZV_ENDPOINT");
+    etcd->cacert = getenv("DUCTILE_ETCD_CACERT");
+    etcd->cert = getenv("DUCTILE_ETCD_CERT");
+    etcd->key = getenv("DUCTILE_ETCD_KEY");
+    etcd->user = getenv("DUCTILE_ETCD_USER");
+    etcd->password = getenv("DUCTILE_ETCD_PASSWORD");
+    *job = getenv("DUCTILE_RDZV_ID");
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            status_usage(stdout, cmd);
+            return 1;
+        }
+        if (json && strcmp(a, "--json") == 0) {
+            *json = 1;
+            continue;
+        }
+        const char *names[] = {"--rdzv-endpoint", "--rdzv-id",      "--etcd-cacert",
+                               "--etcd-cert",     "--etcd-key",     "--etcd-user",
+                               "--etcd-password", "--metrics-port", NULL};
+        const char **dest[] = {&etcd->endpoints, job,         &etcd->cacert,   &etcd->cert,
+                               &etcd->key,       &etcd->user, &etcd->password, &port_text};
+        int k = 0;
+        const char *val = NULL;
+        for (; names[k]; k++) {
+            size_t n = strlen(names[k]);
+            if (strncmp(a, names[k], n) == 0 && (a[n] == 0 || a[n] == '=')) {
+                val = a[n] == '=' ? a + n + 1 : (i + 1 < argc ? argv[++i] : NULL);
+                break;
+            }
+        }
+        if (!names[k] || (!port && dest[k] == &port_text)) {
+            fprintf(stderr, "ductile-agent %s: unknown flag '%s' (see --help)\n", cmd, a);
+            return 2;
+        }
+        if (!val) {
+            fprintf(stderr, "ductile-agent %s: %s needs a value\n", cmd, names[k]);
+            return 2;
+        }
+        *dest[k] = val;
+    }
+    if (!etcd->endpoints || !*etcd->endpoints) {
+        fprintf(stderr, "ductile-agent %s: --rdzv-endpoint is required\n", cmd);
+        return 2;
+    }
+    if (!*job || !rdzv_job_id_valid(*job)) {
+        fprintf(stderr, "ductile-agent %s: --rdzv-id must match [a-z0-9][a-z0-9-]{0,62}\n", cmd);
+        return 2;
+    }
+    if (port && port_text && *port_text) {
+        char *end = NULL;
+        long v = strtol(port_text, &end, 10);
+        if (*end || v < 0 || v > 65535) {
+            fprintf(stderr, "ductile-agent %s: --metrics-port must be 0..65535, not '%s'\n", cmd,
+                    port_text);
+            return 2;
+        }
+        *port = (int)v;
+    }
+    return 0;
 }
 
 /* Adds each member's progress to the --json object (members[i].progress). */
@@ -241,68 +323,10 @@ static void print_text(const char *job, const rdzv_status *s, const node_progres
 int agent_status_main(int argc, char **argv)
 {
     rdzv_etcd etcd = {0};
-    etcd.endpoints = getenv("DUCTILE_RDZV_ENDPOINT");
-    etcd.cacert = getenv("DUCTILE_ETCD_CACERT");
-    etcd.cert = getenv("DUCTILE_ETCD_CERT");
-    etcd.key = getenv("DUCTILE_ETCD_KEY");
-    etcd.user = getenv("DUCTILE_ETCD_USER");
-    etcd.password = getenv("DUCTILE_ETCD_PASSWORD");
-    const char *job = getenv("DUCTILE_RDZV_ID");
-    const char *port_text = getenv("DUCTILE_HTTP_PORT");
-    int json = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            status_usage(stdout);
-            return 0;
-        }
-        if (strcmp(a, "--json") == 0) {
-            json = 1;
-            continue;
-        }
-        const char *names[] = {"--rdzv-endpoint", "--rdzv-id",      "--etcd-cacert",
-                               "--etcd-cert",     "--etcd-key",     "--etcd-user",
-                               "--etcd-password", "--metrics-port", NULL};
-        const char **dest[] = {&etcd.endpoints, &job,       &etcd.cacert,   &etcd.cert,
-                               &etcd.key,       &etcd.user, &etcd.password, &port_text};
-        int k = 0;
-        const char *val = NULL;
-        for (; names[k]; k++) {
-            size_t n = strlen(names[k]);
-            if (strncmp(a, names[k], n) == 0 && (a[n] == 0 || a[n] == '=')) {
-                val = a[n] == '=' ? a + n + 1 : (i + 1 < argc ? argv[++i] : NULL);
-                break;
-            }
-        }
-        if (!names[k]) {
-            fprintf(stderr, "ductile-agent status: unknown flag '%s' (see --help)\n", a);
-            return 2;
-        }
-        if (!val) {
-            fprintf(stderr, "ductile-agent status: %s needs a value\n", names[k]);
-            return 2;
-        }
-        *dest[k] = val;
-    }
-    if (!etcd.endpoints || !*etcd.endpoints) {
-        fprintf(stderr, "ductile-agent status: --rdzv-endpoint is required\n");
-        return 2;
-    }
-    if (!job || !rdzv_job_id_valid(job)) {
-        fprintf(stderr, "ductile-agent status: --rdzv-id must match [a-z0-9][a-z0-9-]{0,62}\n");
-        return 2;
-    }
-    int port = 0;
-    if (port_text && *port_text) {
-        char *end = NULL;
-        long v = strtol(port_text, &end, 10);
-        if (*end || v < 0 || v > 65535) {
-            fprintf(stderr, "ductile-agent status: --metrics-port must be 0..65535, not '%s'\n",
-                    port_text);
-            return 2;
-        }
-        port = (int)v;
-    }
+    const char *job = NULL;
+    int json = 0, port = 0;
+    int rc = job_flags(argc, argv, &etcd, &job, &json, &port);
+    if (rc != 0) return rc == 1 ? 0 : rc;
     rdzv_status st;
     memset(&st, 0, sizeof(st));
     char msg[RDZV_MSG_MAX] = "";
@@ -312,7 +336,7 @@ int agent_status_main(int argc, char **argv)
         return 1;
     }
     /* rdzv_get_status() has set libcurl's globals up: the reads below share them. */
-    int rc = 0;
+    rc = 0;
     node_progress *progress = NULL;
     if (port > 0 && st.nmembers > 0) {
         progress = calloc((size_t)st.nmembers, sizeof(*progress));
@@ -335,4 +359,29 @@ int agent_status_main(int argc, char **argv)
     free(progress);
     rdzv_status_free(&st);
     return rc;
+}
+
+int agent_reset_main(int argc, char **argv)
+{
+    rdzv_etcd etcd = {0};
+    const char *job = NULL;
+    int rc = job_flags(argc, argv, &etcd, &job, NULL, NULL);
+    if (rc != 0) return rc == 1 ? 0 : rc;
+    char msg[RDZV_MSG_MAX] = "";
+    int live = 0;
+    int64_t deleted = 0;
+    rdzv_err err = rdzv_reset(&etcd, job, &live, &deleted, msg);
+    if (err != RDZV_OK) {
+        fprintf(stderr, "ductile-agent reset: %s: %s\n", rdzv_strerror(err), msg);
+        return 1;
+    }
+    if (live > 0) {
+        fprintf(stderr,
+                "ductile-agent reset: job %s has %d live node(s) registered: stop its agents "
+                "first; nothing deleted\n",
+                job, live);
+        return 3;
+    }
+    printf("job %s: %" PRId64 " key(s) deleted\n", job, deleted);
+    return 0;
 }

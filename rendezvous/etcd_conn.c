@@ -465,6 +465,11 @@ etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t
             /* "no leader" (the require-leader refusal) comes before
              * anything was proposed: another endpoint may have one */
             if (code == 14 || (code < 0 && http >= 500)) goto retry;
+            /* A client given credentials waits, within its deadline, for
+             * etcd's auth to be switched on, as it waits for etcd to start:
+             * a deployment enables it just after etcd comes up (the chart's
+             * post-install hook) while the agents may already be calling. */
+            if (code == 9 && strstr(msg, "authentication is not enabled")) goto retry;
             etcd_conn_seterr(k, "%s", last);
             return code < 0 ? ETCD_ERR_PROTOCOL : etcd_map_grpc(code, msg, (int)http);
         }

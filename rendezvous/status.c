@@ -1,4 +1,5 @@
-/* status.c: a read-only view of a job for `ductile-agent status`.
+/* status.c: a read-only view of a job for `ductile-agent status`, and
+ * `ductile-agent reset`, which deletes an ended job's keys.
  *
  * One txn of ranges gives a consistent picture (round record, live nodes,
  * waiting nodes, job state, restart count) at a single etcd revision, so the
@@ -41,6 +42,16 @@ static rdzv_err names(const etcd_range_result *rr, char ***out, int *n)
     return RDZV_OK;
 }
 
+/* Checks the job id and connects: the start of every call of this file. */
+static rdzv_err job_connect(const rdzv_etcd *etcd, const char *job, etcd_client **c, char *msg)
+{
+    if (!rdzv_job_id_valid(job)) {
+        snprintf(msg, RDZV_MSG_MAX, "job id must match [a-z0-9][a-z0-9-]{0,62}");
+        return RDZV_ERR_ARG;
+    }
+    return rdzv_etcd_connect(etcd, c, msg);
+}
+
 rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *out, char *msg)
 {
     char scratch[RDZV_MSG_MAX];
@@ -49,12 +60,8 @@ rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *ou
     if (!etcd || !out) return RDZV_ERR_ARG;
     memset(out, 0, sizeof(*out));
     snprintf(out->job_state, sizeof(out->job_state), "none");
-    if (!rdzv_job_id_valid(job)) {
-        snprintf(msg, RDZV_MSG_MAX, "job id must match [a-z0-9][a-z0-9-]{0,62}");
-        return RDZV_ERR_ARG;
-    }
     etcd_client *c = NULL;
-    rdzv_err err = rdzv_etcd_connect(etcd, &c, msg);
+    rdzv_err err = job_connect(etcd, job, &c, msg);
     if (err != RDZV_OK) return err;
     char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], state[RDZV_KEY_MAX];
     rdzv_key(round, sizeof(round), job, "round");
@@ -122,6 +129,42 @@ rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *ou
 out:
     etcd_txn_result_free(&res);
     if (err != RDZV_OK) rdzv_status_free(out);
+    return err;
+}
+
+rdzv_err rdzv_reset(const rdzv_etcd *etcd, const char *job, int *live, int64_t *deleted, char *msg)
+{
+    char scratch[RDZV_MSG_MAX];
+    if (!msg) msg = scratch;
+    msg[0] = '\0';
+    if (live) *live = 0;
+    if (deleted) *deleted = 0;
+    if (!etcd) return RDZV_ERR_ARG;
+    etcd_client *c = NULL;
+    rdzv_err err = job_connect(etcd, job, &c, msg);
+    if (err != RDZV_OK) return err;
+    char prefix[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX];
+    rdzv_key(prefix, sizeof(prefix), job, "%s", "");
+    rdzv_key(nodes, sizeof(nodes), job, "nodes/");
+    /* Knowingly simple: a node that registers between the count and the
+     * delete loses its key (and its lease-bound registration with it). The
+     * exact way is one txn whose compare covers the nodes/ range (etcd 3.3+
+     * compares a range), which this client's etcd_cmp does not express;
+     * reset runs before a job's agents start, so nobody registers then. */
+    etcd_range_result rr;
+    etcd_err e = etcd_range(c, nodes, 1, 1, &rr); /* count: every match */
+    if (e == ETCD_OK) {
+        int n = (int)rr.count;
+        etcd_range_result_free(&rr);
+        if (live) *live = n;
+        if (n == 0) e = etcd_delete(c, prefix, 1, deleted);
+    }
+    if (e != ETCD_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: %s", etcd->endpoints,
+                 etcd_last_error(c)[0] ? etcd_last_error(c) : etcd_strerror(e));
+        err = RDZV_ERR_ETCD;
+    }
+    etcd_client_free(c);
     return err;
 }
 

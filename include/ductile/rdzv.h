@@ -268,6 +268,13 @@ void rdzv_status_free(rdzv_status *s);
 /* The status as one JSON object (malloc'd string). */
 char *rdzv_status_json(const rdzv_status *s);
 
+/* Deletes every key of job `job` (/ductile/<job>/): its record, state,
+ * restart count and rounds, so that the id starts over as a new job. Nothing
+ * is deleted while a node is registered (an agent of the job is alive):
+ * then *live (may be NULL) is their number and the result RDZV_OK with
+ * *deleted 0. *deleted (may be NULL) counts the keys removed. */
+rdzv_err rdzv_reset(const rdzv_etcd *etcd, const char *job, int *live, int64_t *deleted, char *msg);
+
 /* ---- the round store: /ductile/<job>/rounds/<N>/store/<key> ---- */
 
 typedef struct rdzv_store rdzv_store;

@@ -652,6 +652,114 @@ def case_etcd_restart(job):
         etcd.wait()
 
 
+def status_of(job):
+    r = run_agent(["status", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name, "--json"])
+    check(r.returncode == 0, "status exit %d: %s" % (r.returncode, r.stderr))
+    return json.loads(r.stdout)
+
+
+def case_reset_ended_job(job):
+    """An ended job keeps its state in etcd: agents started again under its id
+    end at once without training. `ductile-agent reset` refuses while an agent
+    of the job is alive, and deletes the job's keys once none is: the id then
+    trains again as a new job."""
+    job.flags += FAST + ["--nnodes", "1", "--max-restarts", "2"]
+    a = job.start("node-a")
+    job.wait_round(1, 60)
+    reset = ["reset", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name]
+    r = run_agent(reset)
+    check(r.returncode == 3 and "1 live node(s)" in r.stderr and len(r.stderr.splitlines()) == 1,
+          "reset of a running job: exit %d %r" % (r.returncode, r.stderr))
+    check(status_of(job)["job_state"] == "running", "nothing deleted while an agent lives")
+    finish_with(job, (a,))
+    check(status_of(job)["job_state"] == "done", "the job is done")
+    # The trap: the same id again ends at once, no worker started.
+    before = len(job.workers())
+    again = job.start("node-b")
+    check(again.wait_exit(30) == 0, "an agent of a done job exits 0")
+    check(len(job.workers()) == before, "no worker started for a done job")
+    r = run_agent(reset)
+    check(r.returncode == 0 and re.match(r"job %s: [1-9]\d* key\(s\) deleted$" % job.name,
+                                         r.stdout.strip()),
+          "reset of an ended job: exit %d %r %r" % (r.returncode, r.stdout, r.stderr))
+    check(status_of(job)["job_state"] == "none", "no trace of the job after reset")
+    r = run_agent(reset)
+    check(r.returncode == 0 and "0 key(s) deleted" in r.stdout, "reset again: %r" % r.stdout)
+    os.remove(os.path.join(job.dir, "cmd.all"))  # the first run's "exit 0"
+    c = job.start("node-c")
+    rnd = job.wait_round(1, 60)
+    check(rnd == 1, "the id starts over at round 1, got %d" % rnd)
+    finish_with(job, (c,))
+    for bad in (["reset", "--rdzv-endpoint", ETCD], ["reset", "--rdzv-id", "Bad_Id",
+                "--rdzv-endpoint", ETCD], reset + ["--json"]):
+        r = run_agent(bad)
+        check(r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1,
+              "%s: exit %d %r" % (bad, r.returncode, r.stderr))
+    r = run_agent(["reset", "--rdzv-endpoint", "http://127.0.0.1:%d" % free_port(),
+                   "--rdzv-id", job.name])
+    check(r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1,
+          "reset without etcd: exit %d %r" % (r.returncode, r.stderr))
+
+
+def case_etcd_away(job):
+    """etcd away for three lease TTLs (stopped, SIGSTOP: it answers nothing,
+    as behind a partition), then back. Meanwhile training goes on: nothing
+    needs etcd between rounds, and no agent stops its workers on its own
+    clock. Back, etcd has counted the leases out; each agent finds its
+    registration gone, stops its workers, registers again and joins the next
+    round, whose workers start again (from their checkpoint); nothing is
+    counted against the restart budget. Then etcd killed for three TTLs and
+    started again: a new leader renews every lease, so that round and its
+    workers live on. The job completes."""
+    ttl = 3
+    job.flags += ["--lease-ttl", str(ttl), "--last-call", "0.5", "--stop-grace", "2",
+                  "--nnodes", "2", "--max-restarts", "3"]
+    a, b = job.start("node-a"), job.start("node-b")
+    r1 = job.wait_round(2, 60)
+    first = {w["_pid"] for w in job.round_workers(r1)}
+    pid = int(os.environ["DUCTILE_TEST_ETCD_PID"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(3 * ttl)
+        check(a.alive() and b.alive(), "agents alive while etcd is away")
+        check(all(pid_alive(p) for p in first), "round %d's workers train on while etcd is "
+              "away" % r1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    r2 = job.wait_round(2, 60, newer_than=r1)
+    check(not any(pid_alive(p) for p in first), "round %d's workers were stopped" % r1)
+    for ag in (a, b):
+        check(re.search(r"round %d left: lease lost .*registered again, joining the next round"
+                        % r1, ag.log()), "agent %s says its lease was lost:\n%s" %
+              (ag.node, ag.log()))
+        check(re.search(r"round %d frozen: 2 nodes.*this node's lease was lost" % r2, ag.log()),
+              "agent %s rejoined in round %d" % (ag.node, r2))
+    st = status_of(job)
+    check(st["restarts"] == 0 and st["job_state"] == "running",
+          "nothing counted, the job runs: %r" % st)
+    # etcd killed and started again after three TTLs: a new leader renews
+    # every lease, so the round and its workers live on.
+    job.wait_round(2, 20, newer_than=r1)
+    second = {w["_pid"] for w in job.round_workers(r2)}
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        argv = [x.decode() for x in f.read().split(b"\0") if x]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(3 * ttl)
+    log = open(os.path.join(job.dir, "etcd2.log"), "w")
+    etcd = subprocess.Popen(argv, stdout=log, stderr=log)
+    try:
+        time.sleep(3 * ttl)
+        check(a.alive() and b.alive(), "agents alive after etcd's restart")
+        check(all(pid_alive(p) for p in second), "round %d's workers live on" % r2)
+        check(job.running_round(2) == r2 and status_of(job)["round"] == r2,
+              "no new round after etcd's restart: %r" % status_of(job))
+        check(" round %d left" % r2 not in a.log() + b.log(), "no agent left round %d" % r2)
+        finish_with(job, (a, b))
+    finally:
+        etcd.kill()
+        etcd.wait()
+
+
 def case_inplace(job):
     job.flags += FAST + ["--nnodes", "2:3", "--rebuild", "inplace", "--max-restarts", "3"]
     a, b, c = (job.start(n) for n in ("node-a", "node-b", "node-c"))

@@ -49,7 +49,7 @@ def test_gpu_resource_name_follows_values(render):
 def test_agent_env_from_values(render):
     r = render(CI / "gpu-3-etcd-members.yaml")
     env = r.env()
-    assert env["DUCTILE_RDZV_ID"] == "ci-gpu"
+    assert env["DUCTILE_RDZV_ID"] == "ml-ci-gpu"  # <namespace>-<job.name>
     assert env["DUCTILE_NNODES"] == "2:8"
     assert env["DUCTILE_NPROC_PER_NODE"] == "8"
     assert env["DUCTILE_REBUILD"] == "inplace"
@@ -206,7 +206,7 @@ def test_helm_test_runs_agent_status(render):
     assert ('ductile-agent status --rdzv-endpoint "$DUCTILE_RDZV_ENDPOINT" '
             '--rdzv-id "$DUCTILE_RDZV_ID"') in cmd[2]
     env = r.env(container)
-    assert env["DUCTILE_RDZV_ID"] == "fmnist-gpu"
+    assert env["DUCTILE_RDZV_ID"] == "ml-fmnist-gpu"
     assert env["DUCTILE_RDZV_ENDPOINT"] == r.env()["DUCTILE_RDZV_ENDPOINT"]
     assert not render(CI / "hostnetwork.yaml").of_kind("Pod")
 

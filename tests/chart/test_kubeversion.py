@@ -39,6 +39,10 @@ FEATURES = {
     # completionMode: Indexed. Gate IndexedJob: alpha 1.21 (off), beta 1.22
     # (on), GA 1.24 (KEP-2214).
     "IndexedJob": ((1, 22), (1, 24)),
+    # StatefulSet.spec.persistentVolumeClaimRetentionPolicy. Gate
+    # StatefulSetAutoDeletePVC: alpha 1.23, beta 1.27 (on), GA 1.32
+    # (KEP-1847).
+    "StatefulSetAutoDeletePVC": ((1, 27), (1, 32)),
     # Resizing an Indexed Job by changing completions with parallelism.
     # Gate ElasticIndexedJob: beta 1.27 (on), GA 1.31 (KEP-3715).
     "ElasticIndexedJob": ((1, 27), (1, 31)),
@@ -87,6 +91,7 @@ FIELDS = {
     # which only an elastic Indexed Job allows.
     "Job.spec.completions": "ElasticIndexedJob",
     "Job.spec.backoffLimit": None,
+    "Job.spec.activeDeadlineSeconds": None,
     "Job.spec.ttlSecondsAfterFinished": "TTLAfterFinished",
     "Job.spec.completionMode": "IndexedJob",
     "Job.spec.backoffLimitPerIndex": "JobBackoffLimitPerIndex",
@@ -106,6 +111,7 @@ FIELDS = {
     "StatefulSet.spec.selector": None,
     "StatefulSet.spec.template": None,
     "StatefulSet.spec.volumeClaimTemplates": None,
+    "StatefulSet.spec.persistentVolumeClaimRetentionPolicy": "StatefulSetAutoDeletePVC",
     "PodDisruptionBudget.spec.minAvailable": None,
     "PodDisruptionBudget.spec.maxUnavailable": None,
     "PodDisruptionBudget.spec.selector": None,
@@ -125,6 +131,7 @@ FIELDS = {
     "PodSpec.affinity": None,
     "PodSpec.topologySpreadConstraints": "EvenPodsSpread",
     "PodSpec.containers": None,
+    "PodSpec.initContainers": None,
     "PodSpec.volumes": None,
     "PodSpec.schedulerName": None,
     "PodSpec.runtimeClassName": "RuntimeClass",
@@ -148,6 +155,7 @@ FIELDS = {
     "Container.securityContext": None,
     "Container.volumeMounts": None,
     "Container.envFrom": None,
+    "Container.terminationMessagePolicy": None,
     "SecurityContext.allowPrivilegeEscalation": None,
     "SecurityContext.privileged": None,
     "SecurityContext.readOnlyRootFilesystem": None,
@@ -176,6 +184,7 @@ KINDS = {
     "v1 Service": None,
     "v1 ServiceAccount": None,
     "v1 ConfigMap": None,
+    "v1 Secret": None,
     "v1 PersistentVolumeClaim": None,
     "v1 Pod": None,
     # A CRD of the Prometheus Operator, only with serviceMonitor.enabled:

@@ -1,14 +1,18 @@
 /* test_etcd_auth.c: user/password auth against a real etcd with auth on.
  *
- * The test turns auth on through the gateway (root user, root role, enable),
- * then checks that a client with the right password works for every kind of
- * call, that a wrong password, no credentials and a user without a role get
+ * Before auth is on, a client given credentials waits for it up to its
+ * deadline and then says why (a deployment turns auth on just after etcd
+ * starts, while clients may already call). The test turns auth on through
+ * the gateway (root user, root role, enable), then checks that a client with the right password
+ * works for every kind of call, that a wrong password, no credentials and a user without a role get
  * ETCD_ERR_AUTH, and that after an etcd restart (which forgets every simple
  * token) the client and a live watch log in again by themselves.
  */
 #include "ductile/etcd.h"
 #include "test_etcd.h"
 #include "test_etcd_util.h"
+
+#include <string.h>
 
 static test_etcd srv;
 
@@ -33,6 +37,16 @@ int main(void)
     admin("/v3/auth/user/add", "{\"name\":\"root\",\"password\":\"s3cret\"}");
     admin("/v3/auth/user/grant", "{\"user\":\"root\",\"role\":\"root\"}");
     admin("/v3/auth/user/add", "{\"name\":\"alice\",\"password\":\"apw\"}");
+
+    etcd_config early_cfg = {
+        .endpoints = srv.endpoint, .user = "root", .password = "s3cret", .timeout_ms = 1000};
+    etcd_client *early = test_client_cfg(&early_cfg);
+    etcd_err early_err = etcd_put(early, "/a/early", "v", 1, 0, NULL);
+    CHECK(early_err == ETCD_ERR_UNAVAILABLE, "before auth is on: %s", etcd_strerror(early_err));
+    CHECK(strstr(etcd_last_error(early), "authentication is not enabled") != NULL, "%s",
+          etcd_last_error(early));
+    etcd_client_free(early);
+
     admin("/v3/auth/enable", "{}");
 
     etcd_client *c = client_as("root", "s3cret");

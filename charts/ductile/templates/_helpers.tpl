@@ -65,9 +65,16 @@ such a release has a StatefulSet, and keeps it. */}}
 {{- end }}
 {{- end }}
 
-{{/* The rendezvous id: job.name, else the release name. */}}
+{{/* The job's name: job.name, else the release name. */}}
 {{- define "ductile.jobName" -}}
 {{- default .Release.Name .Values.job.name }}
+{{- end }}
+
+{{/* The rendezvous id (--rdzv-id, the job's key prefix /ductile/<id>/ in
+etcd): <namespace>-<job name>, so that releases of one job name in two
+namespaces never share keys on one etcd. */}}
+{{- define "ductile.rdzvId" -}}
+{{- printf "%s-%s" .Release.Namespace (include "ductile.jobName" .) }}
 {{- end }}
 
 {{- define "ductile.image" -}}
@@ -117,7 +124,7 @@ such a release has a StatefulSet, and keeps it. */}}
 {{- if .Values.etcd.enabled }}
 {{- $urls := list }}
 {{- range $i := until (int .Values.etcd.replicas) }}
-{{- $urls = append $urls (printf "http://%s:2379" (include "ductile.etcdMemberHost" (dict "ctx" $ "index" $i))) }}
+{{- $urls = append $urls (printf "%s://%s:2379" (ternary "https" "http" $.Values.etcd.tls.enabled) (include "ductile.etcdMemberHost" (dict "ctx" $ "index" $i))) }}
 {{- end }}
 {{- join "," $urls }}
 {{- else }}
@@ -130,14 +137,15 @@ such a release has a StatefulSet, and keeps it. */}}
 - name: DUCTILE_RDZV_ENDPOINT
   value: {{ include "ductile.etcdEndpoints" . | quote }}
 - name: DUCTILE_RDZV_ID
-  value: {{ include "ductile.jobName" . | quote }}
-{{- if and (not .Values.etcd.enabled) .Values.etcd.external.tls.secretName }}
+  value: {{ include "ductile.rdzvId" . | quote }}
+{{- $tls := include "ductile.etcdTLSKeys" . | fromYaml }}
+{{- if $tls.secret }}
 - name: DUCTILE_ETCD_CACERT
-  value: /etc/ductile/etcd-tls/{{ .Values.etcd.external.tls.caKey }}
+  value: /etc/ductile/etcd-tls/{{ $tls.ca }}
 - name: DUCTILE_ETCD_CERT
-  value: /etc/ductile/etcd-tls/{{ .Values.etcd.external.tls.certKey }}
+  value: /etc/ductile/etcd-tls/{{ $tls.cert }}
 - name: DUCTILE_ETCD_KEY
-  value: /etc/ductile/etcd-tls/{{ .Values.etcd.external.tls.keyKey }}
+  value: /etc/ductile/etcd-tls/{{ $tls.key }}
 {{- end }}
 {{- if and (not .Values.etcd.enabled) .Values.etcd.external.auth.secretName }}
 - name: DUCTILE_ETCD_USER
@@ -150,11 +158,50 @@ such a release has a StatefulSet, and keeps it. */}}
     secretKeyRef:
       name: {{ .Values.etcd.external.auth.secretName }}
       key: {{ .Values.etcd.external.auth.passwordKey }}
+{{- else if and .Values.etcd.enabled .Values.etcd.auth.enabled }}
+- name: DUCTILE_ETCD_USER
+  value: root
+- name: DUCTILE_ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ductile.etcdAuthSecret" . }}
+      key: password
 {{- end }}
 {{- end }}
 
+{{/* The Secret with the etcd client's CA, certificate and key, and their
+keys in it, as YAML (secret empty: no TLS): the chart's own etcd's
+(etcd.tls) or an existing etcd's (etcd.external.tls). */}}
+{{- define "ductile.etcdTLSKeys" -}}
+{{- if .Values.etcd.enabled }}
+{{- if .Values.etcd.tls.enabled }}
+secret: {{ include "ductile.etcdTLSSecret" . }}
+ca: ca.crt
+cert: tls.crt
+key: tls.key
+{{- end }}
+{{- else if .Values.etcd.external.tls.secretName }}
+{{- $t := .Values.etcd.external.tls }}
+secret: {{ $t.secretName }}
+ca: {{ $t.caKey }}
+cert: {{ $t.certKey }}
+key: {{ $t.keyKey }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret of the root user's password of the chart's own etcd: given,
+or made by the chart. */}}
+{{- define "ductile.etcdAuthSecret" -}}
+{{- default (printf "%s-auth" (include "ductile.etcdName" .)) .Values.etcd.auth.secretName }}
+{{- end }}
+
+{{/* The Secret of the chart's own etcd's certificates: given, or made by the chart. */}}
+{{- define "ductile.etcdTLSSecret" -}}
+{{- default (printf "%s-tls" (include "ductile.etcdName" .)) .Values.etcd.tls.secretName }}
+{{- end }}
+
 {{- define "ductile.etcdTLSVolumeMount" -}}
-{{- if and (not .Values.etcd.enabled) .Values.etcd.external.tls.secretName }}
+{{- if (include "ductile.etcdTLSKeys" . | fromYaml).secret }}
 - name: etcd-tls
   mountPath: /etc/ductile/etcd-tls
   readOnly: true
@@ -162,10 +209,10 @@ such a release has a StatefulSet, and keeps it. */}}
 {{- end }}
 
 {{- define "ductile.etcdTLSVolume" -}}
-{{- if and (not .Values.etcd.enabled) .Values.etcd.external.tls.secretName }}
+{{- with (include "ductile.etcdTLSKeys" . | fromYaml).secret }}
 - name: etcd-tls
   secret:
-    secretName: {{ .Values.etcd.external.tls.secretName }}
+    secretName: {{ . }}
     defaultMode: 0440
 {{- end }}
 {{- end }}
@@ -191,4 +238,84 @@ fsGroup: {{ .fsGroup }}
 fsGroupChangePolicy: OnRootMismatch
 seccompProfile:
   type: RuntimeDefault
+{{- end }}
+
+{{/* The pod of a one-shot etcd tool (the `helm test` pod, the pre-install
+check): never restarted, no API token, the workers' security context. */}}
+{{- define "ductile.etcdToolPodSpec" -}}
+restartPolicy: Never
+automountServiceAccountToken: false
+enableServiceLinks: false
+securityContext:
+  {{- include "ductile.podSecurityContext" .Values.workers.podSecurityContext | nindent 2 }}
+{{- with .Values.image.pullSecrets }}
+imagePullSecrets:
+  {{- range . }}
+  - name: {{ . }}
+  {{- end }}
+{{- end }}
+{{- with (include "ductile.etcdTLSVolume" .) }}
+volumes:
+  {{- . | trim | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The rest of a one-shot etcd tool's container: the workers' etcd client
+settings (endpoints, id, TLS files, credentials), small resources. */}}
+{{- define "ductile.etcdToolContainer" -}}
+env:
+  {{- include "ductile.etcdClientEnv" . | nindent 2 }}
+resources:
+  requests:
+    cpu: 50m
+    memory: 64Mi
+  limits:
+    memory: 128Mi
+securityContext:
+  {{- include "ductile.containerSecurityContext" (dict "readOnly" true) | nindent 2 }}
+{{- with (include "ductile.etcdTLSVolumeMount" .) }}
+volumeMounts:
+  {{- . | trim | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* etcdctl of the etcd image against the chart's own etcd (its endpoints
+and TLS files in ETCDCTL_* variables, the root password in
+ETCD_ROOT_PASSWORD); the caller adds the name and args. */}}
+{{- define "ductile.etcdctlContainer" -}}
+image: "{{ .Values.etcd.image.repository }}:{{ .Values.etcd.image.tag }}"
+imagePullPolicy: {{ .Values.etcd.image.pullPolicy }}
+command: [/usr/local/bin/etcdctl]
+env:
+  - name: ETCDCTL_API
+    value: "3"
+  - name: ETCDCTL_ENDPOINTS
+    value: {{ include "ductile.etcdEndpoints" . | quote }}
+  {{- with (include "ductile.etcdTLSKeys" . | fromYaml) }}
+  {{- if .secret }}
+  - name: ETCDCTL_CACERT
+    value: /etc/ductile/etcd-tls/{{ .ca }}
+  - name: ETCDCTL_CERT
+    value: /etc/ductile/etcd-tls/{{ .cert }}
+  - name: ETCDCTL_KEY
+    value: /etc/ductile/etcd-tls/{{ .key }}
+  {{- end }}
+  {{- end }}
+  - name: ETCD_ROOT_PASSWORD
+    valueFrom:
+      secretKeyRef:
+        name: {{ include "ductile.etcdAuthSecret" . }}
+        key: password
+resources:
+  requests:
+    cpu: 50m
+    memory: 64Mi
+  limits:
+    memory: 128Mi
+securityContext:
+  {{- include "ductile.containerSecurityContext" (dict "readOnly" true) | nindent 2 }}
+{{- with (include "ductile.etcdTLSVolumeMount" .) }}
+volumeMounts:
+  {{- . | trim | nindent 2 }}
+{{- end }}
 {{- end }}

@@ -18,6 +18,10 @@ includes this, so every install, upgrade and template run checks it.
 {{- if and (not $job.name) (not (regexMatch "^[a-z0-9][a-z0-9-]{0,62}$" .Release.Name)) }}
 {{- fail (printf "release name %q is not a valid job id ([a-z0-9][a-z0-9-]{0,62}): set job.name" .Release.Name) }}
 {{- end }}
+{{- $rdzvId := include "ductile.rdzvId" . }}
+{{- if gt (len $rdzvId) 63 }}
+{{- fail (printf "job.name: the rendezvous id %q (<namespace>-<job.name or release name>) is %d characters, more than 63: choose a shorter job.name" $rdzvId (len $rdzvId)) }}
+{{- end }}
 {{- if and $job.nprocPerNode (gt (int $w.gpusPerNode) 0) (gt (int $job.nprocPerNode) (int $w.gpusPerNode)) }}
 {{- fail (printf "job.nprocPerNode (%d) must not exceed workers.gpusPerNode (%d): one trainer process per GPU" (int $job.nprocPerNode) (int $w.gpusPerNode)) }}
 {{- end }}
@@ -33,11 +37,44 @@ includes this, so every install, upgrade and template run checks it.
 {{- end }}
 {{- end }}
 {{- $ext := .Values.etcd.external }}
+{{- $tls := .Values.etcd.tls }}
+{{- $auth := .Values.etcd.auth }}
+{{- if and $auth.secretName (not $auth.enabled) }}
+{{- fail (printf "etcd.auth.secretName %q is set but etcd.auth.enabled is false: set etcd.auth.enabled=true to require the root user's password" $auth.secretName) }}
+{{- end }}
+{{- if and $auth.enabled (not .Values.etcd.enabled) }}
+{{- fail "etcd.auth.enabled is true but etcd.enabled is false: it configures the chart's own etcd; for an existing one set etcd.external.auth.secretName" }}
+{{- end }}
+{{- if and $tls.secretName (not $tls.enabled) }}
+{{- fail (printf "etcd.tls.secretName %q is set but etcd.tls.enabled is false: set etcd.tls.enabled=true to serve etcd over TLS" $tls.secretName) }}
+{{- end }}
 {{- if .Values.etcd.enabled }}
 {{- if or $ext.endpoints $ext.tls.secretName $ext.auth.secretName }}
 {{- fail "etcd.external.* is set but etcd.enabled is true: set etcd.enabled=false to use an existing etcd" }}
 {{- end }}
+{{- /* A given Secret must exist (checked against a cluster only: offline,
+lookup finds nothing, not even kube-system). */}}
+{{- if and $tls.enabled $tls.secretName (lookup "v1" "Namespace" "" "kube-system") }}
+{{- $given := lookup "v1" "Secret" .Release.Namespace $tls.secretName }}
+{{- if not $given }}
+{{- fail (printf "etcd.tls.secretName: Secret %q not found in namespace %s: create it (ca.crt, tls.crt, tls.key) or leave etcd.tls.secretName empty to have the chart make one" $tls.secretName .Release.Namespace) }}
+{{- end }}
+{{- range $k := list "ca.crt" "tls.crt" "tls.key" }}
+{{- if not (hasKey (default dict $given.data) $k) }}
+{{- fail (printf "etcd.tls.secretName: Secret %q has no key %s (it needs ca.crt, tls.crt and tls.key)" $tls.secretName $k) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $auth.enabled $auth.secretName (lookup "v1" "Namespace" "" "kube-system") }}
+{{- $given := lookup "v1" "Secret" .Release.Namespace $auth.secretName }}
+{{- if not (hasKey (default dict (get (default dict $given) "data")) "password") }}
+{{- fail (printf "etcd.auth.secretName: Secret %q in namespace %s is missing or has no key password: create it, or leave etcd.auth.secretName empty to have the chart make one" $auth.secretName .Release.Namespace) }}
+{{- end }}
+{{- end }}
 {{- else }}
+{{- if $tls.enabled }}
+{{- fail "etcd.tls.enabled is true but etcd.enabled is false: it configures the chart's own etcd; for an existing one set etcd.external.tls.secretName" }}
+{{- end }}
 {{- if not $ext.endpoints }}
 {{- fail "etcd.enabled is false but etcd.external.endpoints is empty: give the client URLs of an existing etcd" }}
 {{- end }}

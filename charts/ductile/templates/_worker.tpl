@@ -102,8 +102,10 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   {{- with $w.affinity }}
+  {{- /* A template: a selector of the release's own pods names them with
+  "{{ .Release.Name }}", never a copy of one release's name. */}}
   affinity:
-    {{- toYaml . | nindent 4 }}
+    {{- tpl (toYaml .) $ | nindent 4 }}
   {{- end }}
   {{- with $w.topologySpreadConstraints }}
   topologySpreadConstraints:
