@@ -79,6 +79,7 @@ typedef struct agent {
     int exit_after_stop; /* -1: go on to the next round, else the exit code */
     int job_done;        /* the job completed (JOB_DONE seen, or marked by this agent) */
     double kill_at;      /* SIGKILL workers still alive at this time (0: none) */
+    double warm_at;      /* start the next restart's spares at this time (0: none due) */
     double give_up_at;   /* stop waiting for workers at this time (0: none) */
     int failure_reported;
     int64_t restarts;
@@ -602,9 +603,12 @@ static void launch_round(agent *a, const char *maddr, int mport)
     dlog_info(&a->lg, "workers_started", "round %lld: started %d workers, ranks %d..%d%s",
               (long long)rd->number, a->o->nproc, me->first_global_rank,
               me->first_global_rank + a->o->nproc - 1, how);
-    /* The next restart's spares import while this round trains. */
+    /* The next restart's spares import while this round trains, a little
+     * after its workers' own start: an import of torch takes the cores the
+     * new workers start on. Either way is safe: a restart before then
+     * starts cold. */
     agent_warm_new_round(&a->warm);
-    agent_warm_fill(&a->warm, &a->lg);
+    a->warm_at = mono_now_s() + AGENT_WARM_REFILL_S;
     /* In inplace mode a fresh worker also gets the round on its channel, so
      * a trainer reads its round the same way every time. */
     if (a->o->inplace) send_round(a, me, maddr, mport, prefix);
@@ -1073,6 +1077,7 @@ static void run_loop(agent *a)
         }
         double now = mono_now_s(), next = now + 1.0;
         if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
+        if (a->warm_at > 0 && a->warm_at < next) next = a->warm_at;
         if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
         double hang_at = watching(a) ? agent_watchdog_next(&a->wd, &a->ws) : 0;
         if (hang_at > 0 && hang_at < next) next = hang_at;
@@ -1081,6 +1086,10 @@ static void run_loop(agent *a)
         if (got < 0 && errno != EINTR) {
             agent_finish(a, 1, "poll failed");
             break;
+        }
+        if (a->warm_at > 0 && mono_now_s() >= a->warm_at) {
+            a->warm_at = 0;
+            if (spares_wanted(a)) agent_warm_fill(&a->warm, &a->lg);
         }
         if (got > 0) {
             unsigned gen = a->ws_gen; /* before anything may replace the workers */

@@ -32,6 +32,10 @@ struct agent_warm {
     agent_spare *s;
 };
 
+/* Seconds after a launch before the next restart's spares start: the new
+ * workers start without an import of torch beside them on their cores. */
+#define AGENT_WARM_REFILL_S 3.0
+
 /* Decides whether the worker command cmd gets spares (preload as
  * --preload takes it) and how they start. 0: wm is ready, with
  * wm->argv NULL and why saying why when there are none; -1: out of memory.
