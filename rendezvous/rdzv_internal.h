@@ -224,8 +224,11 @@ int rdzv_probe_hold(const char *addr, int port, const char *node, int64_t inc, i
                     rdzv_probe_verdict *verdict, char *why, size_t len);
 
 /* rdzv_suspect.c: 1 when node's agent is gone (rdzv_check_members' test,
- * before deadline), its lease then revoked; why says how it was judged. */
-int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, char *why, size_t len);
+ * before deadline), its lease then revoked (*revoked, may be NULL: 1 when
+ * this call revoked one; a node that left has none); why says how it was
+ * judged. */
+int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, int *revoked, char *why,
+                      size_t len);
 
 /* rdzv_sentinel.c: each member watches the next RDZV_SENTINEL_PEERS
  * members' agents over a held probe connection; one that closes is checked

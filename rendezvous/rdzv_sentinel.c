@@ -90,9 +90,14 @@ static void suspect(rdzv *r, peer *p, const char *how)
     pthread_mutex_unlock(&r->mu);
     p->done = 1;
     if (closed) return;
-    if (rdzv_check_member(r, p->node, mono_now_ms() + RDZV_PROBE_TIMEOUT_MS, why, sizeof(why)))
+    int revoked = 0;
+    int gone = rdzv_check_member(r, p->node, mono_now_ms() + RDZV_PROBE_TIMEOUT_MS, &revoked, why,
+                                 sizeof(why));
+    if (gone && revoked) /* a node that left has no lease left to revoke: its leave says so */
         dlog_info(&r->log, "member_gone", "member %s is gone (%s; %s): its lease is revoked",
                   p->node, how, why);
+    else if (gone)
+        dlog_debug(&r->log, NULL, "member %s is gone (%s; %s)", p->node, how, why);
     else
         dlog_debug(&r->log, NULL, "member %s: %s, but it is not gone (%s): left to its lease",
                    p->node, how, why);

@@ -46,11 +46,14 @@ static int member_gone(rdzv *r, const char *node, int64_t deadline, int64_t *lea
     return v == RDZV_PROBE_DEAD;
 }
 
-int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, char *why, size_t len)
+int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, int *revoked, char *why,
+                      size_t len)
 {
     int64_t lease;
+    if (revoked) *revoked = 0;
     if (!member_gone(r, node, deadline, &lease, why, len)) return 0;
     if (lease) {
+        if (revoked) *revoked = 1;
         pthread_mutex_lock(&r->rep_mu);
         etcd_err e = etcd_lease_revoke(r->rep, lease);
         pthread_mutex_unlock(&r->rep_mu);
@@ -73,7 +76,7 @@ rdzv_err rdzv_check_members(rdzv *r, const char *const *nodes, int n, int timeou
     size_t used = 0;
     for (int i = 0; i < n; i++) {
         char why[RDZV_MSG_MAX] = "";
-        if (!rdzv_check_member(r, nodes[i], deadline, why, sizeof(why))) continue;
+        if (!rdzv_check_member(r, nodes[i], deadline, NULL, why, sizeof(why))) continue;
         (*gone)++;
         if (names && used < len) {
             int w =
