@@ -719,6 +719,8 @@ def case_install_id(job):
     check(state == {"state": "done", "reason": "", "install": "inst-A"},
           "the end records the install: %r" % state)
     check(status_of(job).get("install") == "inst-A", "status shows the install")
+    r = run_agent(["status", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name])
+    check(r.returncode == 0 and "\ninstall: inst-A " in r.stdout, "status text: %r" % r.stdout)
     done = len(job.workers())
     # Another install: refused, one line naming both installs and the way out.
     for ag in (job.start("node-a", flags=["--install-id", "inst-B"]),
