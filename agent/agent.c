@@ -680,6 +680,35 @@ static void leave_round(agent *a, int64_t round_number, int graceful)
     }
 }
 
+/* rdzv_open, and with --start-over, a job that ended under another install
+ * id is started over (rdzv_start_over) and opened again. Of agents that
+ * start together one deletes the old keys; the others find them gone, or
+ * find it registered, and open the new job. *live: nodes found registered
+ * under an old end, which then stays (the error, with a reason saying so). */
+static rdzv_err open_job(agent *a, char *msg, int *live)
+{
+    rdzv_err err = rdzv_open(&a->cfg, &a->rz, msg);
+    for (int i = 0; err == RDZV_ERR_JOB_ENDED_ELSEWHERE && a->o->start_over && i < 3; i++) {
+        int64_t deleted = 0;
+        char why[RDZV_MSG_MAX];
+        rdzv_err e = rdzv_start_over(&a->etcd, a->o->job, a->o->install_id, live, &deleted, why);
+        if (e != RDZV_OK) {
+            snprintf(msg, RDZV_MSG_MAX, "starting job %s over: %.160s", a->o->job, why);
+            return e;
+        }
+        if (deleted > 0)
+            dlog_warn(&a->lg, "start_over", "job %s starts over: %s; deleted its %lld keys",
+                      a->o->job, why, (long long)deleted);
+        err = rdzv_open(&a->cfg, &a->rz, msg);
+        if (err == RDZV_ERR_JOB_ENDED_ELSEWHERE && *live > 0)
+            snprintf(msg, RDZV_MSG_MAX,
+                     "job %s ended in an earlier install and %d of its nodes are still "
+                     "registered: it starts over once they leave",
+                     a->o->job, *live);
+    }
+    return err;
+}
+
 /* This node's lease expired (etcd was unreachable past the TTL, or the node
  * was stalled or cut off): the others have gone on without it, but the job
  * has not ended. Register again under a new lease and join the next round
@@ -1201,7 +1230,8 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
                           .last_call_ms = o->last_call_ms,
                           .lease_ttl_s = o->lease_ttl_s,
                           .join_timeout_ms = o->join_timeout_ms,
-                          .max_restarts = o->max_restarts};
+                          .max_restarts = o->max_restarts,
+                          .install_id = o->install_id};
     dlog_info(&a.lg, "start",
               "joining job %s at %s as node %s (%s), %d workers, nodes %d:%d, rebuild %s", o->job,
               a.etcd.endpoints, o->node_id, o->node_addr, o->nproc, o->min_nodes, o->max_nodes,
@@ -1224,7 +1254,8 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
                   why);
     agent_warm_fill(&a.warm, &a.lg);
     msg[0] = 0;
-    rdzv_err err = rdzv_open(&a.cfg, &a.rz, msg);
+    int live = 0;
+    rdzv_err err = open_job(&a, msg, &live);
     if (err == RDZV_ERR_JOB_DONE) {
         dlog_info(&a.lg, "exit", "exiting with code 0: job %s is already complete", o->job);
         a.rz = NULL;
@@ -1232,9 +1263,13 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
         goto out;
     }
     if (err != RDZV_OK) {
-        a.exit_code = err == RDZV_ERR_JOB_FAILED ? AGENT_EXIT_JOB_FAILED
-                      : err == RDZV_ERR_ARG      ? AGENT_EXIT_USAGE
-                                                 : AGENT_EXIT_ERROR;
+        /* Ended in an earlier install: retrying cannot help, unless old
+         * agents were still registered when this one came to start over. */
+        int again = err == RDZV_ERR_JOB_ENDED_ELSEWHERE && live > 0;
+        a.exit_code = err == RDZV_ERR_JOB_FAILED                      ? AGENT_EXIT_JOB_FAILED
+                      : err == RDZV_ERR_ARG                           ? AGENT_EXIT_USAGE
+                      : err == RDZV_ERR_JOB_ENDED_ELSEWHERE && !again ? AGENT_EXIT_USAGE
+                                                                      : AGENT_EXIT_ERROR;
         dlog_error(&a.lg, err == RDZV_ERR_JOB_FAILED ? "exit_failed" : "rdzv_error",
                    "exiting with code %d: %s%s%s", a.exit_code, rdzv_strerror(err),
                    msg[0] ? ": " : "", msg);

@@ -60,6 +60,8 @@ typedef enum {
     OPT_KEY,
     OPT_USER,
     OPT_PASSWORD,
+    OPT_INSTALL_ID,
+    OPT_START_OVER,
     /* torchrun's own flags, those without a DUCTILE_* variable (--nnodes and
      * others above are torchrun's too) */
     OPT_RDZV_BACKEND,
@@ -173,6 +175,13 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
     [OPT_KEY] = {"etcd-key", "DUCTILE_ETCD_KEY", "FILE", NULL, "client key (PEM)"},
     [OPT_USER] = {"etcd-user", "DUCTILE_ETCD_USER", "NAME", NULL, "etcd user name"},
     [OPT_PASSWORD] = {"etcd-password", "DUCTILE_ETCD_PASSWORD", "PASSWORD", NULL, "etcd password"},
+    [OPT_INSTALL_ID] = {"install-id", "DUCTILE_INSTALL_ID", "ID", NULL,
+                        "this install of the job [A-Za-z0-9-]{1,64} (the chart's, per release): "
+                        "recorded with the job's end; a job that ended under another install "
+                        "id is refused with exit 2"},
+    [OPT_START_OVER] = {"start-over", "DUCTILE_START_OVER", NULL, "off",
+                        "a job that ended under another --install-id: delete its keys and "
+                        "train it again"},
     [OPT_RDZV_BACKEND] = {"rdzv-backend", NULL, "NAME", "static",
                           "etcd-v2, etcd, c10d or static: the rendezvous is always etcd (v3 "
                           "API) at --rdzv-endpoint, which for c10d and static too must name an "
@@ -644,6 +653,12 @@ static int opt_set(agent_opts *o, agent_opt_id id, const char *v, char *why, siz
         return o->user = v, 0;
     case OPT_PASSWORD:
         return o->password = v, 0;
+    case OPT_INSTALL_ID:
+        if (!*v || rdzv_install_id_valid(v)) return o->install_id = *v ? v : NULL, 0;
+        snprintf(why, len, "'%.80s' is not an install id [A-Za-z0-9-]{1,64}", v);
+        return -1;
+    case OPT_START_OVER:
+        return set_bool(v, &o->start_over, why, len);
     case OPT_RDZV_BACKEND: {
         static const char *const names[] = {"etcd-v2", "etcd", "c10d", "static", NULL};
         if (!one_of(v, names)) {

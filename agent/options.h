@@ -36,6 +36,8 @@ typedef struct agent_opts {
     const char *role;
     const char *preload; /* --preload: auto, none or MODULE[,MODULE...] */
     const char *cacert, *cert, *key, *user, *password;
+    const char *install_id; /* NULL: none */
+    int start_over;
     /* torchrun's */
     int module, no_python, run_path;
     const char *log_dir;

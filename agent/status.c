@@ -302,6 +302,7 @@ static void print_text(const char *job, const rdzv_status *s, const node_progres
     double now = unix_now();
     printf("job %s: %s\n", job, s->job_state);
     if (s->reason[0]) printf("reason: %s\n", s->reason);
+    if (s->install[0]) printf("install: %s (the install id its state records)\n", s->install);
     printf("round %lld (%s), %d members, restarts %lld of %d\n", (long long)s->round,
            s->round_state[0] ? s->round_state : "none", s->nmembers, (long long)s->restarts,
            s->max_restarts);

@@ -54,6 +54,8 @@ static rdzv_err check_config(const rdzv_config *c, char *msg)
         bad = "negative timeout or restart budget";
     else if (c->addr && strlen(c->addr) > 1024)
         bad = "address too long";
+    else if (c->install_id && c->install_id[0] && !rdzv_install_id_valid(c->install_id))
+        bad = "install id must match [A-Za-z0-9-]{1,64}";
     if (!bad) return RDZV_OK;
     if (msg) snprintf(msg, RDZV_MSG_MAX, "%s", bad);
     return RDZV_ERR_ARG;
@@ -100,24 +102,27 @@ static rdzv_err check_job_state(rdzv *r, char *msg)
                      etcd_last_error(r->api)[0] ? etcd_last_error(r->api) : etcd_strerror(e));
         return RDZV_ERR_ETCD;
     }
-    rdzv_err err = RDZV_OK;
-    cJSON *o = cJSON_ParseWithLength(kv.value, kv.value_len);
-    const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "state");
-    const cJSON *why = cJSON_GetObjectItemCaseSensitive(o, "reason");
-    if (!cJSON_IsString(st)) {
-        err = RDZV_ERR_PROTOCOL;
+    rdzv_job_state st;
+    rdzv_err err = rdzv_state_parse(kv.value, kv.value_len, &st);
+    etcd_kv_free(&kv);
+    const char *inst = r->cfg.install_id;
+    if (err != RDZV_OK) {
         if (msg) snprintf(msg, RDZV_MSG_MAX, "malformed job state under %.200s", key);
-    } else if (strcmp(st->valuestring, "done") == 0) {
+    } else if (rdzv_state_elsewhere(&st, inst)) {
+        err = RDZV_ERR_JOB_ENDED_ELSEWHERE;
+        if (msg)
+            snprintf(msg, RDZV_MSG_MAX,
+                     "job %s ended (%s) in an earlier install (install %s); this is install %s: "
+                     "set job.startOver=true (DUCTILE_START_OVER) to train it again, or use "
+                     "another job name",
+                     r->cfg.job, st.state, st.install, inst);
+    } else if (strcmp(st.state, "done") == 0) {
         err = RDZV_ERR_JOB_DONE;
         if (msg) snprintf(msg, RDZV_MSG_MAX, "job %s has already completed", r->cfg.job);
-    } else if (strcmp(st->valuestring, "failed") == 0) {
+    } else if (strcmp(st.state, "failed") == 0) {
         err = RDZV_ERR_JOB_FAILED;
-        if (msg)
-            snprintf(msg, RDZV_MSG_MAX, "job %s has failed: %s", r->cfg.job,
-                     cJSON_IsString(why) ? why->valuestring : "");
+        if (msg) snprintf(msg, RDZV_MSG_MAX, "job %s has failed: %.180s", r->cfg.job, st.reason);
     }
-    cJSON_Delete(o);
-    etcd_kv_free(&kv);
     return err;
 }
 
@@ -297,16 +302,17 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     mono_cond_init(&r->cv);
 
     r->cfg = *cfg;
-    const char *src[9] = {cfg->etcd.endpoints,
-                          cfg->etcd.cacert,
-                          cfg->etcd.cert,
-                          cfg->etcd.key,
-                          cfg->etcd.user,
-                          cfg->etcd.password,
-                          cfg->job,
-                          cfg->node_id,
-                          cfg->addr ? cfg->addr : ""};
-    for (int i = 0; i < 9; i++) {
+    const char *src[10] = {cfg->etcd.endpoints,
+                           cfg->etcd.cacert,
+                           cfg->etcd.cert,
+                           cfg->etcd.key,
+                           cfg->etcd.user,
+                           cfg->etcd.password,
+                           cfg->job,
+                           cfg->node_id,
+                           cfg->addr ? cfg->addr : "",
+                           cfg->install_id};
+    for (int i = 0; i < 10; i++) {
         r->strs[i] = dup_or_null(src[i]);
         if (src[i] && !r->strs[i]) {
             err = RDZV_ERR_NOMEM;
@@ -318,6 +324,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     r->cfg.job = r->strs[6];
     r->cfg.node_id = r->strs[7];
     r->cfg.addr = r->strs[8];
+    r->cfg.install_id = r->strs[9];
     if (r->cfg.join_timeout_ms == 0) r->cfg.join_timeout_ms = 600000;
     r->etcd = r->cfg.etcd;
     snprintf(r->node, sizeof(r->node), "%s", r->cfg.node_id);

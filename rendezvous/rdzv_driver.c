@@ -117,7 +117,7 @@ static rdzv_err create_first_round(rdzv *r)
     rec.min_nodes = r->cfg.min_nodes;
     rec.max_nodes = r->cfg.max_nodes;
     snprintf(rec.job, sizeof(rec.job), "running");
-    char *st = rdzv_state_json("running", "");
+    char *st = rdzv_state_json(r, "running", "");
     if (!st) return RDZV_ERR_NOMEM;
     int won = 0;
     rdzv_err err = rdzv_put_record(r, r->dc, &rec, 0, 1, st, &won);

@@ -109,7 +109,7 @@ struct rdzv {
     /* configuration, deep-copied */
     rdzv_config cfg;
     rdzv_etcd etcd;
-    char *strs[9];
+    char *strs[10];
     char node[RDZV_NODE_ID_MAX + 1];
     dlog log; /* debug traces of the protocol steps (tag "rdzv", this node) */
 
@@ -177,7 +177,19 @@ void *rdzv_driver_main(void *arg);
 rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod, int *have);
 rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
                          int bump_epoch, const char *state_json, int *won);
-char *rdzv_state_json(const char *state, const char *reason);
+/* The job state key's value: {"state", "reason"} and, when the writer has
+ * one, its "install" id. */
+char *rdzv_state_json(const rdzv *r, const char *state, const char *reason);
+typedef struct rdzv_job_state {
+    char state[16]; /* "running", "done", "failed" */
+    char reason[RDZV_MSG_MAX];
+    char install[RDZV_INSTALL_ID_MAX + 1]; /* "" when none was recorded */
+} rdzv_job_state;
+/* Parses the state key's value; RDZV_ERR_PROTOCOL when it has no state. */
+rdzv_err rdzv_state_parse(const char *value, size_t len, rdzv_job_state *out);
+/* 1 when st is a job's end recorded under an install id, install (may be
+ * NULL) is one too and they differ: the job ended in an earlier install. */
+int rdzv_state_elsewhere(const rdzv_job_state *st, const char *install);
 /* Creates key (nodes/<node>, or a round's joined/<node>) holding this
  * node's {addr, lws} under its lease: create-only, and only while guard
  * (may be NULL) holds; also (may be NULL) is one more op of the same txn.

@@ -92,15 +92,42 @@ rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64
     return RDZV_OK;
 }
 
-char *rdzv_state_json(const char *state, const char *reason)
+char *rdzv_state_json(const rdzv *r, const char *state, const char *reason)
 {
     cJSON *o = cJSON_CreateObject();
     if (!o) return NULL;
     cJSON_AddStringToObject(o, "state", state);
     cJSON_AddStringToObject(o, "reason", reason ? reason : "");
+    if (r->cfg.install_id && r->cfg.install_id[0])
+        cJSON_AddStringToObject(o, "install", r->cfg.install_id);
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     return s;
+}
+
+rdzv_err rdzv_state_parse(const char *value, size_t len, rdzv_job_state *out)
+{
+    memset(out, 0, sizeof(*out));
+    cJSON *o = cJSON_ParseWithLength(value, len);
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "state");
+    const cJSON *why = cJSON_GetObjectItemCaseSensitive(o, "reason");
+    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(o, "install");
+    rdzv_err err = RDZV_ERR_PROTOCOL;
+    if (cJSON_IsString(st) && strlen(st->valuestring) < sizeof(out->state)) {
+        snprintf(out->state, sizeof(out->state), "%s", st->valuestring);
+        err = RDZV_OK;
+    }
+    if (cJSON_IsString(why)) snprintf(out->reason, sizeof(out->reason), "%s", why->valuestring);
+    if (cJSON_IsString(inst) && rdzv_install_id_valid(inst->valuestring))
+        snprintf(out->install, sizeof(out->install), "%s", inst->valuestring);
+    cJSON_Delete(o);
+    return err;
+}
+
+int rdzv_state_elsewhere(const rdzv_job_state *st, const char *install)
+{
+    int ended = strcmp(st->state, "done") == 0 || strcmp(st->state, "failed") == 0;
+    return ended && st->install[0] && install && install[0] && strcmp(st->install, install) != 0;
 }
 
 char *rdzv_node_value(const rdzv *r)

@@ -139,7 +139,7 @@ static rdzv_err report(rdzv *r, int first_hand, const char *reason, int64_t *res
             if (err == RDZV_OK) err = rdzv_put_record(r, r->rep, &next, mod, 1, NULL, &won);
         } else if (w == WRITE_SAME_ROUND) {
             int failed = strcmp(rec.job, "failed") == 0;
-            if (failed && !(st = rdzv_state_json("failed", rec.reason))) err = RDZV_ERR_NOMEM;
+            if (failed && !(st = rdzv_state_json(r, "failed", rec.reason))) err = RDZV_ERR_NOMEM;
             if (err == RDZV_OK) err = rdzv_put_record(r, r->rep, &rec, mod, 0, st, &won);
         }
         int64_t total = w == WRITE_NEXT_ROUND ? next.restarts : rec.restarts;
@@ -189,7 +189,7 @@ rdzv_err rdzv_finish(rdzv *r)
     if (closed) goto out;
     int64_t deadline = report_deadline(r);
     int backoff = 50;
-    char *st = rdzv_state_json("done", "");
+    char *st = rdzv_state_json(r, "done", "");
     if (!st) {
         err = RDZV_ERR_NOMEM;
         goto out;

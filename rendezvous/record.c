@@ -40,6 +40,20 @@ int rdzv_job_id_valid(const char *job)
     return 1;
 }
 
+int rdzv_install_id_valid(const char *id)
+{
+    if (!id) return 0;
+    size_t n = strlen(id);
+    if (n < 1 || n > RDZV_INSTALL_ID_MAX) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = id[i];
+        int ok =
+            (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-';
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
 int rdzv_node_id_valid(const char *node)
 {
     if (!node) return 0;
@@ -83,6 +97,8 @@ const char *rdzv_strerror(rdzv_err err)
         return "handle closed";
     case RDZV_ERR_PROTOCOL:
         return "malformed rendezvous data in etcd";
+    case RDZV_ERR_JOB_ENDED_ELSEWHERE:
+        return "job ended in an earlier install";
     }
     return "unknown error";
 }

@@ -113,16 +113,12 @@ rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *ou
         rdzv_record_free(&rec);
         if (err != RDZV_OK) goto out;
     }
-    if (res.ranges[3].n > 0) {
-        cJSON *o =
-            cJSON_ParseWithLength(res.ranges[3].kvs[0].value, res.ranges[3].kvs[0].value_len);
-        const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "state");
-        const cJSON *why = cJSON_GetObjectItemCaseSensitive(o, "reason");
-        if (cJSON_IsString(st) && strlen(st->valuestring) < sizeof(out->job_state))
-            snprintf(out->job_state, sizeof(out->job_state), "%s", st->valuestring);
-        if (cJSON_IsString(why) && why->valuestring[0])
-            snprintf(out->reason, sizeof(out->reason), "%s", why->valuestring);
-        cJSON_Delete(o);
+    rdzv_job_state st;
+    if (res.ranges[3].n > 0 && rdzv_state_parse(res.ranges[3].kvs[0].value,
+                                                res.ranges[3].kvs[0].value_len, &st) == RDZV_OK) {
+        snprintf(out->job_state, sizeof(out->job_state), "%s", st.state);
+        if (st.reason[0]) snprintf(out->reason, sizeof(out->reason), "%s", st.reason);
+        snprintf(out->install, sizeof(out->install), "%s", st.install);
     }
     if ((err = names(&res.ranges[1], &out->nodes, &out->nnodes)) != RDZV_OK) goto out;
     err = names(&res.ranges[2], &out->waiting, &out->nwaiting);
@@ -132,7 +128,81 @@ out:
     return err;
 }
 
-rdzv_err rdzv_reset(const rdzv_etcd *etcd, const char *job, int *live, int64_t *deleted, char *msg)
+/* Deletes the job's keys unless a node is registered, and only while guard
+ * (may be NULL) holds: rdzv_reset() and rdzv_start_over(). */
+static rdzv_err reset_keys(const rdzv_etcd *etcd, etcd_client *c, const char *job,
+                           const etcd_cmp *guard, int *live, int64_t *deleted, char *msg)
+{
+    char prefix[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX];
+    rdzv_key(prefix, sizeof(prefix), job, "%s", "");
+    rdzv_key(nodes, sizeof(nodes), job, "nodes/");
+    /* Knowingly simple: a node that registers between the count and the
+     * delete loses its key (and its lease-bound registration with it). The
+     * exact way is one txn whose compare covers the nodes/ range (etcd 3.3+
+     * compares a range), which this client's etcd_cmp does not express;
+     * reset runs before a job's agents start, so nobody registers then (and
+     * rdzv_start_over's guard fails once one agent has started over). */
+    etcd_range_result rr;
+    etcd_err e = etcd_range(c, nodes, 1, 1, &rr); /* count: every match */
+    if (e == ETCD_OK) {
+        int n = (int)rr.count;
+        etcd_range_result_free(&rr);
+        if (live) *live = n;
+        if (n == 0 && !guard) e = etcd_delete(c, prefix, 1, deleted);
+        if (n == 0 && guard) {
+            etcd_op ops[2] = {
+                {.type = ETCD_OP_RANGE, .key = prefix, .prefix = 1, .count_only = 1},
+                {.type = ETCD_OP_DELETE, .key = prefix, .prefix = 1},
+            };
+            etcd_txn_result res;
+            e = etcd_txn(c, guard, 1, ops, 2, NULL, 0, &res);
+            if (e == ETCD_OK) {
+                if (deleted && res.succeeded && res.n > 0) *deleted = res.ranges[0].count;
+                etcd_txn_result_free(&res);
+            }
+        }
+    }
+    if (e != ETCD_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: %s", etcd->endpoints,
+                 etcd_last_error(c)[0] ? etcd_last_error(c) : etcd_strerror(e));
+        return RDZV_ERR_ETCD;
+    }
+    return RDZV_OK;
+}
+
+/* The job's keys go only while its state records an end under an install
+ * id other than install_id (rdzv_start_over). */
+static rdzv_err start_over_keys(const rdzv_etcd *etcd, etcd_client *c, const char *job,
+                                const char *install_id, int *live, int64_t *deleted, char *msg)
+{
+    char key[RDZV_KEY_MAX];
+    rdzv_key(key, sizeof(key), job, "state");
+    etcd_kv kv;
+    etcd_err e = etcd_get(c, key, &kv);
+    if (e == ETCD_ERR_NOT_FOUND) return RDZV_OK; /* already started over */
+    if (e != ETCD_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: %s", etcd->endpoints,
+                 etcd_last_error(c)[0] ? etcd_last_error(c) : etcd_strerror(e));
+        return RDZV_ERR_ETCD;
+    }
+    rdzv_err err = RDZV_OK;
+    rdzv_job_state st;
+    int elsewhere = rdzv_state_parse(kv.value, kv.value_len, &st) == RDZV_OK &&
+                    rdzv_state_elsewhere(&st, install_id);
+    /* Only the end read here is deleted: once another agent has started
+     * over, the state key is gone or new and the guard fails. */
+    etcd_cmp guard = {
+        .key = key, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = kv.mod_revision};
+    if (elsewhere) err = reset_keys(etcd, c, job, &guard, live, deleted, msg);
+    if (err == RDZV_OK && deleted && *deleted > 0)
+        snprintf(msg, RDZV_MSG_MAX, "it ended (%s) in install %s", st.state, st.install);
+    etcd_kv_free(&kv);
+    return err;
+}
+
+/* rdzv_reset (start_over 0) and rdzv_start_over. */
+static rdzv_err reset_job(const rdzv_etcd *etcd, const char *job, int start_over,
+                          const char *install_id, int *live, int64_t *deleted, char *msg)
 {
     char scratch[RDZV_MSG_MAX];
     if (!msg) msg = scratch;
@@ -143,29 +213,21 @@ rdzv_err rdzv_reset(const rdzv_etcd *etcd, const char *job, int *live, int64_t *
     etcd_client *c = NULL;
     rdzv_err err = job_connect(etcd, job, &c, msg);
     if (err != RDZV_OK) return err;
-    char prefix[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX];
-    rdzv_key(prefix, sizeof(prefix), job, "%s", "");
-    rdzv_key(nodes, sizeof(nodes), job, "nodes/");
-    /* Knowingly simple: a node that registers between the count and the
-     * delete loses its key (and its lease-bound registration with it). The
-     * exact way is one txn whose compare covers the nodes/ range (etcd 3.3+
-     * compares a range), which this client's etcd_cmp does not express;
-     * reset runs before a job's agents start, so nobody registers then. */
-    etcd_range_result rr;
-    etcd_err e = etcd_range(c, nodes, 1, 1, &rr); /* count: every match */
-    if (e == ETCD_OK) {
-        int n = (int)rr.count;
-        etcd_range_result_free(&rr);
-        if (live) *live = n;
-        if (n == 0) e = etcd_delete(c, prefix, 1, deleted);
-    }
-    if (e != ETCD_OK) {
-        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: %s", etcd->endpoints,
-                 etcd_last_error(c)[0] ? etcd_last_error(c) : etcd_strerror(e));
-        err = RDZV_ERR_ETCD;
-    }
+    err = start_over ? start_over_keys(etcd, c, job, install_id, live, deleted, msg)
+                     : reset_keys(etcd, c, job, NULL, live, deleted, msg);
     etcd_client_free(c);
     return err;
+}
+
+rdzv_err rdzv_reset(const rdzv_etcd *etcd, const char *job, int *live, int64_t *deleted, char *msg)
+{
+    return reset_job(etcd, job, 0, NULL, live, deleted, msg);
+}
+
+rdzv_err rdzv_start_over(const rdzv_etcd *etcd, const char *job, const char *install_id, int *live,
+                         int64_t *deleted, char *msg)
+{
+    return reset_job(etcd, job, 1, install_id, live, deleted, msg);
 }
 
 char *rdzv_status_json(const rdzv_status *s)
@@ -175,6 +237,7 @@ char *rdzv_status_json(const rdzv_status *s)
     if (!o) return NULL;
     cJSON_AddStringToObject(o, "job_state", s->job_state);
     if (s->reason[0]) cJSON_AddStringToObject(o, "reason", s->reason);
+    if (s->install[0]) cJSON_AddStringToObject(o, "install", s->install);
     cJSON_AddNumberToObject(o, "round", (double)s->round);
     cJSON_AddStringToObject(o, "round_state", s->round_state);
     cJSON_AddNumberToObject(o, "restarts", (double)s->restarts);

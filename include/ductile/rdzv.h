@@ -36,6 +36,7 @@ typedef enum {
     RDZV_ERR_DUPLICATE,  /* this node id is registered by an agent that is (or may be) alive */
     RDZV_ERR_CLOSED,     /* the handle is leaving or closed */
     RDZV_ERR_PROTOCOL,   /* malformed data found under the job's keys */
+    RDZV_ERR_JOB_ENDED_ELSEWHERE, /* the job ended in an earlier install (another install id) */
 } rdzv_err;
 
 const char *rdzv_strerror(rdzv_err err);
@@ -57,6 +58,9 @@ typedef struct rdzv_etcd {
 
 /* Job ids: [a-z0-9][a-z0-9-]{0,62}. Returns 1 when valid. */
 int rdzv_job_id_valid(const char *job);
+/* Install ids: [A-Za-z0-9-]{1,64}. Returns 1 when valid. */
+int rdzv_install_id_valid(const char *id);
+#define RDZV_INSTALL_ID_MAX 64
 /* Node ids: [A-Za-z0-9._-]{1,128}. Returns 1 when valid. */
 int rdzv_node_id_valid(const char *node);
 #define RDZV_NODE_ID_MAX 128
@@ -87,6 +91,11 @@ typedef struct rdzv_config {
     int no_takeover;      /* 1: never take over a registration of this node id, even from a
                              dead incarnation (an agent registering again after losing its
                              own registration must not take it back) */
+    /* NULL or "": none. Else [A-Za-z0-9-]{1,64}: which install of the job
+     * this agent belongs to (a Helm release's, say). The job's end state
+     * records it, and rdzv_open refuses a job that ended under another one
+     * (RDZV_ERR_JOB_ENDED_ELSEWHERE). */
+    const char *install_id;
 } rdzv_config;
 
 typedef struct rdzv_member {
@@ -148,7 +157,9 @@ typedef struct rdzv rdzv;
 
 /* Connects, registers nodes/<node_id> under a new lease and starts the driver,
  * which joins the current or next round at once. Fails with
- * RDZV_ERR_JOB_DONE / RDZV_ERR_JOB_FAILED when the job has already ended, and
+ * RDZV_ERR_JOB_DONE / RDZV_ERR_JOB_FAILED when the job has already ended (in
+ * this install, or where either side has no install id),
+ * RDZV_ERR_JOB_ENDED_ELSEWHERE when it ended under another install id, and
  * RDZV_ERR_DUPLICATE when this node id is registered by an agent that
  * answers its liveness probe, or does not answer within RDZV_PROBE_TIMEOUT_MS
  * (its lease ends in at most its TTL). A registration whose agent is gone
@@ -261,6 +272,8 @@ typedef struct rdzv_status {
     int max_restarts;
     char job_state[16];        /* "running", "done", "failed" or "none" */
     char reason[RDZV_MSG_MAX]; /* why it failed, if it did */
+    /* the install id the job's state records, or "" */
+    char install[RDZV_INSTALL_ID_MAX + 1];
 } rdzv_status;
 
 rdzv_err rdzv_get_status(const rdzv_etcd *etcd, const char *job, rdzv_status *out, char *msg);
@@ -274,6 +287,17 @@ char *rdzv_status_json(const rdzv_status *s);
  * then *live (may be NULL) is their number and the result RDZV_OK with
  * *deleted 0. *deleted (may be NULL) counts the keys removed. */
 rdzv_err rdzv_reset(const rdzv_etcd *etcd, const char *job, int *live, int64_t *deleted, char *msg);
+
+/* rdzv_reset() for an agent of a new install that meets the job's end from
+ * an earlier one (RDZV_ERR_JOB_ENDED_ELSEWHERE): deletes the job's keys only
+ * while its state still records an end under an install id other than
+ * install_id, and no node is registered (*live counts them). The delete is
+ * one txn guarded by the state key's revision, so of agents that start
+ * together one deletes and the others delete nothing (they then find the
+ * job new or running). *deleted counts the keys removed (0: nothing done);
+ * msg says what the job's end was, when keys were deleted. */
+rdzv_err rdzv_start_over(const rdzv_etcd *etcd, const char *job, const char *install_id, int *live,
+                         int64_t *deleted, char *msg);
 
 /* ---- the round store: /ductile/<job>/rounds/<N>/store/<key> ---- */
 

@@ -222,6 +222,8 @@ def case_bad_flags(job):
         ["--preload", ""], ["--preload="], ["--preload", "1torch"], ["--preload", "torch,"],
         ["--preload", ",torch"], ["--preload", "torch..nn"], ["--preload", "torch.nn."],
         ["--preload", "torch numpy"], ["--preload", "torch;rm"], ["--preload", "x" * 300],
+        ["--install-id", "a_b"], ["--install-id", "x" * 65], ["--install-id", "a b"],
+        ["--install-id", "a/b"], ["--start-over=maybe"],
     ]
     base = ["--rdzv-endpoint", ETCD, "--rdzv-id", "j"]
     for flags in bad:
@@ -699,6 +701,69 @@ def case_reset_ended_job(job):
                    "--rdzv-id", job.name])
     check(r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1,
           "reset without etcd: exit %d %r" % (r.returncode, r.stderr))
+
+
+def case_install_id(job):
+    """A job's end records the install id of the agents that ended it. Agents
+    of another install (a new Helm release under the same job id, whose etcd
+    kept the old state) are refused with exit 2 and one line, training
+    nothing; with --start-over they delete the old keys and train it again,
+    several at once safely. Agents of the same install (a replacement pod)
+    still find the job done and exit 0, as do agents without an install id."""
+    job.flags += FAST + ["--nnodes", "2"]
+    a = job.start("node-a", flags=["--install-id", "inst-A"])
+    b = job.start("node-b", env={"DUCTILE_INSTALL_ID": "inst-A"})
+    job.wait_round(2, 60)
+    finish_with(job, (a, b))
+    state, _ = etcd_value(job, "state")
+    check(state == {"state": "done", "reason": "", "install": "inst-A"},
+          "the end records the install: %r" % state)
+    check(status_of(job).get("install") == "inst-A", "status shows the install")
+    r = run_agent(["status", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name])
+    check(r.returncode == 0 and "\ninstall: inst-A " in r.stdout, "status text: %r" % r.stdout)
+    done = len(job.workers())
+    # Another install: refused, one line naming both installs and the way out.
+    for ag in (job.start("node-a", flags=["--install-id", "inst-B"]),
+               job.start("node-b", env={"DUCTILE_INSTALL_ID": "inst-B"})):
+        check(ag.wait_exit(30) == 2, "another install exits 2:\n%s" % ag.log())
+        lines = [ln for ln in ag.log().splitlines() if "inst-A" in ln]
+        check(len(lines) == 1 and "earlier install (install inst-A); this is install inst-B"
+              in lines[0] and "job.startOver=true" in lines[0], "the reason: %r" % ag.log())
+    check(len(job.workers()) == done, "another install trained nothing")
+    check(etcd_value(job, "state")[0] == state, "a refused install changed nothing")
+    # The same install (a pod replaced after the end), and no install id: done.
+    for flags in (["--install-id", "inst-A"], ["--install-id", "inst-A", "--start-over"], []):
+        ag = job.start("node-c", flags=flags)
+        check(ag.wait_exit(30) == 0 and "already complete" in ag.log(),
+              "%s: exits 0 on a done job:\n%s" % (flags, ag.log()))
+    check(len(job.workers()) == done, "nothing trained again")
+    check(etcd_value(job, "state")[0] == state, "this install's end is never started over")
+    # Start over: three agents at once; one deletes, all train the new job.
+    os.remove(os.path.join(job.dir, "cmd.all"))
+    job.flags[job.flags.index("--nnodes") + 1] = "3"
+    agents = [job.start("node-%d" % i, flags=["--install-id", "inst-B", "--start-over"])
+              for i in range(2)]
+    agents.append(job.start("node-2", flags=["--install-id", "inst-B"],
+                            env={"DUCTILE_START_OVER": "true"}))
+    rnd = job.wait_round(3, 60)
+    check(rnd == 1, "the job starts over at round 1, got %d" % rnd)
+    logs = [ag.log() for ag in agents]
+    check(sum("starts over" in lg for lg in logs) == 1,
+          "one agent deleted the old keys:\n%s" % "\n".join(logs))
+    check(status_of(job)["job_state"] == "running", "the job runs again")
+    finish_with(job, agents)
+    check(etcd_value(job, "state")[0] == {"state": "done", "reason": "", "install": "inst-B"},
+          "the new end records install inst-B")
+    # A failed end is refused the same way.
+    check(run_agent(["reset", "--rdzv-endpoint", ETCD, "--rdzv-id", job.name]).returncode == 0,
+          "reset")
+    etcd_call("/v3/kv/put", {
+        "key": base64.b64encode(("/ductile/%s/state" % job.name).encode()).decode(),
+        "value": base64.b64encode(json.dumps(
+            {"state": "failed", "reason": "x", "install": "inst-B"}).encode()).decode()})
+    ag = job.start("node-a", flags=["--install-id", "inst-C"])
+    check(ag.wait_exit(30) == 2 and "ended (failed) in an earlier install" in ag.log(),
+          "a failed end elsewhere: exit 2:\n%s" % ag.log())
 
 
 def case_etcd_away(job):

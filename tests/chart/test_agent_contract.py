@@ -13,6 +13,9 @@ a real etcd on 127.0.0.1 (this test runs under with-etcd).
   rendered hook Job, refuses an ended job in one line naming job.startOver,
   passes a new one, and with job.startOver deletes the old job so that the
   id trains again.
+- The install id: a job ended by one install (one render: its own id) is
+  refused by the next one's agent (exit 2, FailJob), still done for the
+  same install's, and trained again with job.startOver.
 - The chart's own etcd over TLS: the certificates the chart makes serve a
   real etcd with the rendered flags, and the agent and the `helm test`
   script use them; with auth: the agent starts first and waits while the
@@ -58,9 +61,11 @@ INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 DEADLINE = 90
 
 
-def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None, secrets=None):
+def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None, secrets=None,
+            configmaps=None):
     """The container's env as the kubelet would set it, plus overrides;
-    secrets maps (Secret name, key) to the value a secretKeyRef reads."""
+    secrets and configmaps (configmaps_of) map (name, key) to the value a
+    secretKeyRef or configMapKeyRef reads."""
     env = {"PATH": os.path.dirname(AGENT) + os.pathsep + os.environ["PATH"]}
     for k in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"):
         if k in os.environ:
@@ -77,6 +82,9 @@ def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None, 
         elif "secretKeyRef" in e.get("valueFrom", {}) and secrets:
             ref = e["valueFrom"]["secretKeyRef"]
             env[e["name"]] = secrets[(ref["name"], ref["key"])]
+        elif "configMapKeyRef" in e.get("valueFrom", {}) and configmaps:
+            ref = e["valueFrom"]["configMapKeyRef"]
+            env[e["name"]] = configmaps[(ref["name"], ref["key"])]
         else:
             pytest.fail(f"env {e['name']} comes from {e['valueFrom']}: not set up here")
     if index is not None:
@@ -84,6 +92,12 @@ def pod_env(container, overrides, pod_name="demo-ductile-worker-0", index=None, 
         env["JOB_COMPLETION_INDEX"] = str(index)
     env.update(overrides)
     return env
+
+
+def configmaps_of(rendered):
+    """What the rendered ConfigMaps hold, by (name, key): the install id."""
+    return {(cm["metadata"]["name"], k): v for cm in rendered.of_kind("ConfigMap")
+            for k, v in (cm.get("data") or {}).items()}
 
 
 def run(args, env, timeout=60):
@@ -111,13 +125,15 @@ def live_nodes(job_id):
     return set(line.split(":", 1)[1].split()) if line else set()
 
 
-def run_one_node_job(render, name):
-    """Renders a one-node CPU job and runs its agent (worker: `true`) to the end."""
+def run_one_node_job(render, name, rendered=None, **job):
+    """Renders a one-node CPU job (or takes `rendered`, one such render) and
+    runs its agent (worker: `true`) to the end."""
     assert AGENT and ETCD, "DUCTILE_AGENT_BIN or DUCTILE_TEST_ETCD not set"
-    r = render({"job": {"name": name, "command": ["true"], "lastCall": 1}})
+    r = rendered or render({"job": {"name": name, "command": ["true"], "lastCall": 1, **job}})
     container = r.agent()
     env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD,
-                              "DUCTILE_HTTP_PORT": str(free_port())})
+                              "DUCTILE_HTTP_PORT": str(free_port())},
+                  configmaps=configmaps_of(r))
     assert env["DUCTILE_NODE_ADDR"] == "127.0.0.1"  # from status.podIP
     proc = run(container["command"] + container["args"], env)
     return r, proc
@@ -211,6 +227,39 @@ def test_start_over_deletes_the_ended_job_and_it_trains_again(render):
     assert "round 1 frozen" in proc.stdout + proc.stderr
 
 
+
+def install_id(rendered):
+    return rendered.one("ConfigMap", "-install")["data"]["id"]
+
+
+def test_an_earlier_install_is_refused_and_start_over_trains_again(render):
+    """The chart's etcd kept across installs: each render is an install
+    with its own id (no lookup offline). A job ended by one install is
+    refused by the next (exit 2, FailJob, one line naming both ids), still
+    done for a pod of the same install, and trained again with
+    job.startOver."""
+    first, proc = run_one_node_job(render, "contract-install")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    again = render({"job": {"name": "contract-install", "command": ["true"], "lastCall": 1}})
+    a, b = install_id(first), install_id(again)
+    assert a != b
+    _, proc = run_one_node_job(render, "contract-install", rendered=again)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert pod_failure_action(again.workers(), 2) == "FailJob"
+    why = [line for line in (proc.stdout + proc.stderr).splitlines() if "earlier install" in line]
+    assert len(why) == 1 and f"(install {a}); this is install {b}: set job.startOver=true" in why[0]
+    assert "round 1 frozen" not in proc.stdout + proc.stderr
+    # A pod of the first install (replaced after the end) finds it done.
+    _, proc = run_one_node_job(render, "contract-install", rendered=first)
+    assert proc.returncode == 0 and "already complete" in proc.stdout + proc.stderr, proc.stderr
+    # job.startOver: the new install's agent deletes the old job and trains.
+    over, proc = run_one_node_job(render, "contract-install", startOver=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "starts over" in out and "round 1 frozen" in out, out
+    _, proc = run_one_node_job(render, "contract-install", rendered=again)
+    assert proc.returncode == 2 and f"(install {install_id(over)})" in proc.stdout + proc.stderr
+
+
 # ---- the Indexed Job, with the Job controller played by jobsim ----
 
 
@@ -229,7 +278,7 @@ class Pod:
         env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD,
                                   "DUCTILE_HTTP_PORT": str(free_port()),
                                   "AGENT_TEST_DIR": workdir},
-                      pod_name=self.name, index=index)
+                      pod_name=self.name, index=index, configmaps=configmaps_of(rendered))
         self.log_path = os.path.join(workdir, f"{self.name}.log")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(container["command"] + container["args"], env=env,
@@ -462,7 +511,7 @@ def test_index_only_node_ids_would_collide(render, workdir, cleanup):
         return pod_env(container, {"DUCTILE_RDZV_ENDPOINT": ETCD,
                                    "DUCTILE_HTTP_PORT": str(free_port()),
                                    "AGENT_TEST_DIR": workdir, "DUCTILE_NODE_ID": node},
-                       index=1)
+                       index=1, configmaps=configmaps_of(r))
 
     first = subprocess.Popen(container["command"] + container["args"], env=env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -607,7 +656,8 @@ def test_generated_tls_certificates_work_for_etcd_and_agent(render, tmp_path):
     try:
         container = r.agent()
         env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": client,
-                                  "DUCTILE_HTTP_PORT": str(free_port())})
+                                  "DUCTILE_HTTP_PORT": str(free_port())},
+                      configmaps=configmaps_of(r))
         for k in ("DUCTILE_ETCD_CACERT", "DUCTILE_ETCD_CERT", "DUCTILE_ETCD_KEY"):
             assert env[k].startswith("/etc/ductile/etcd-tls/"), env[k]
             env[k] = env[k].replace("/etc/ductile/etcd-tls", str(tmp_path))
@@ -659,7 +709,8 @@ def test_etcd_auth_hook_and_agents(render, tmp_path):
     try:
         container = r.agent()
         env = pod_env(container, {"DUCTILE_RDZV_ENDPOINT": client,
-                                  "DUCTILE_HTTP_PORT": str(free_port())}, secrets=secrets)
+                                  "DUCTILE_HTTP_PORT": str(free_port())}, secrets=secrets,
+                      configmaps=configmaps_of(r))
         assert env["DUCTILE_ETCD_USER"] == "root" and env["DUCTILE_ETCD_PASSWORD"] == password
         bare = {k: v for k, v in env.items() if not k.startswith("DUCTILE_ETCD_")}
         wait_until(lambda: run([AGENT, "status", "--rdzv-id", "x"], bare).returncode == 0,

@@ -10,7 +10,16 @@ release's own pods in its scheduling rules.
   test_agent_contract.py.
 - A worker affinity's strings are templates, so a job file selects its own
   release's pods whatever the release is called.
+- Each install has an id, made once and kept across upgrades (lookup), in
+  a ConfigMap every agent reads (DUCTILE_INSTALL_ID): with the chart's
+  etcd kept across installs, agents refuse a job an earlier install ended,
+  and job.startOver (DUCTILE_START_OVER) has them train it again. The
+  agents' side runs against the real agent and etcd in
+  test_agent_contract.py.
 """
+
+import re
+import shutil
 
 import pytest
 
@@ -304,3 +313,67 @@ def test_etcd_volumes_go_with_the_release(render, keep, policy):
 def test_no_retention_policy_without_volumes(render):
     spec = render({"etcd": {"persistence": {"enabled": False}}}).one("StatefulSet", "-etcd")["spec"]
     assert "persistentVolumeClaimRetentionPolicy" not in spec and "volumeClaimTemplates" not in spec
+
+
+# ---- the install id: one per install, kept across upgrades ----
+
+def install_configmap(rendered):
+    return rendered.one("ConfigMap", "-install")
+
+
+@pytest.mark.parametrize("kind", ["job", "statefulset"])
+def test_every_agent_reads_the_install_id_from_one_configmap(render, kind):
+    r = render({"workers": {"kind": kind}})
+    cm = install_configmap(r)
+    assert cm["metadata"]["name"] == "demo-ductile-install"
+    assert cm in r.objects  # a release object: it goes with the release
+    assert re.fullmatch(r"[a-z0-9]{12}", cm["data"]["id"]), cm["data"]
+    # From the ConfigMap, not a literal: the pod template (immutable in a
+    # Job) stays the same whatever the id, and every pod reads the same one.
+    ref = {"configMapKeyRef": {"name": "demo-ductile-install", "key": "id"}}
+    assert r.env()["DUCTILE_INSTALL_ID"] == ref
+    assert cm["data"]["id"] not in str(r.workers())
+
+
+def test_install_id_is_made_anew_per_install(render):
+    ids = {install_configmap(render({}))["data"]["id"] for _ in range(3)}
+    assert len(ids) == 3
+
+
+def helper_chart(tmp_path, template):
+    """A chart of the ductile chart's own helpers and one template: the
+    install id's logic with the ConfigMap that lookup would find."""
+    import helm_python as helm
+    root = tmp_path / "helpers"
+    (root / "templates").mkdir(parents=True)
+    (root / "Chart.yaml").write_text("apiVersion: v2\nname: helpers\nversion: 0.1.0\n")
+    shutil.copy(SOURCE / "charts" / "ductile" / "templates" / "_helpers.tpl",
+                root / "templates" / "_helpers.tpl")
+    (root / "templates" / "id.yaml").write_text(template)
+    with helm.Chart.load(str(root)) as c:
+        return dict(c.render(None, name="demo", namespace=NAMESPACE, is_install=False))[
+            "helpers/templates/id.yaml"]
+
+
+def test_install_id_kept_when_lookup_finds_the_configmap(tmp_path):
+    # What lookup returns: the live ConfigMap, or an empty map.
+    kept = helper_chart(tmp_path, '''kept: {{ include "ductile.installIdOf" (dict "data" (dict "id" "k3v9x0q2m1ab")) }}
+none: {{ include "ductile.installIdOf" dict }}
+nodata: {{ include "ductile.installIdOf" (dict "kind" "ConfigMap") }}
+''')
+    got = dict(line.split(": ") for line in kept.strip().splitlines())
+    assert got["kept"] == "k3v9x0q2m1ab"
+    assert re.fullmatch(r"[a-z0-9]{12}", got["none"]) and re.fullmatch(r"[a-z0-9]{12}",
+                                                                       got["nodata"])
+    # The template looks up its own ConfigMap by the name the agents read.
+    text = (SOURCE / "charts" / "ductile" / "templates" / "install-configmap.yaml").read_text()
+    assert 'lookup "v1" "ConfigMap" .Release.Namespace $name' in text
+    assert 'include "ductile.installIdOf" $live' in text
+
+
+@pytest.mark.parametrize("values", [{}, EXTERNAL])
+def test_start_over_reaches_the_agents(render, values):
+    assert "DUCTILE_START_OVER" not in render(values).env()
+    assert "DUCTILE_START_OVER" not in render(with_values(values, {"job": {"startOver": False}})).env()
+    r = render(with_values(values, {"job": {"startOver": True}}))
+    assert r.env()["DUCTILE_START_OVER"] == "true"

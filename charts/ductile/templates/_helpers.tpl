@@ -77,6 +77,17 @@ namespaces never share keys on one etcd. */}}
 {{- printf "%s-%s" .Release.Namespace (include "ductile.jobName" .) }}
 {{- end }}
 
+{{/* The ConfigMap that holds the install id (install-configmap.yaml). */}}
+{{- define "ductile.installConfigMap" -}}
+{{- printf "%s-install" (include "ductile.fullname" .) }}
+{{- end }}
+
+{{/* The install id that the ConfigMap found by lookup (the argument; an
+empty map when there is none) holds, else a new one. */}}
+{{- define "ductile.installIdOf" -}}
+{{- dig "data" "id" (randAlphaNum 12 | lower) (default dict .) }}
+{{- end }}
+
 {{- define "ductile.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}

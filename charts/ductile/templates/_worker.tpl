@@ -192,6 +192,18 @@ spec:
           value: {{ $w.httpPort | quote }}
         - name: DUCTILE_LOG_FORMAT
           value: {{ .Values.job.logFormat | quote }}
+        # This install's id (install-configmap.yaml): a job that ended under
+        # another install's id is refused (exit 2), or with job.startOver,
+        # trained again.
+        - name: DUCTILE_INSTALL_ID
+          valueFrom:
+            configMapKeyRef:
+              name: {{ include "ductile.installConfigMap" . }}
+              key: id
+        {{- if .Values.job.startOver }}
+        - name: DUCTILE_START_OVER
+          value: "true"
+        {{- end }}
         {{- if eq (include "ductile.workersKind" .) "job" }}
         # A pod that leaves a running job on SIGTERM (deleted, evicted,
         # preempted) exits 5, not 0: its index is not complete, and the
