@@ -280,7 +280,7 @@ def test_pod_extension_points(render, kind):
     names = [e["name"] for e in env]
     assert names.index("OMP_NUM_THREADS") < names.index("WANDB_API_KEY")
     assert r.env()["OMP_NUM_THREADS"] == "4"
-    assert r.env()["DUCTILE_RDZV_ID"] == "demo"
+    assert r.env()["DUCTILE_RDZV_ID"] == "ml-demo"  # <namespace>-<release>
     assert agent["envFrom"] == w["envFrom"]
     # Init containers run before the agent, as given.
     assert pod["initContainers"] == w["initContainers"]
