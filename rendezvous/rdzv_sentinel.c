@@ -5,7 +5,12 @@
  * liveness probe (probe.c) of the next RDZV_SENTINEL_PEERS members in rank
  * order, around the ring: every member is watched by that many others,
  * and the job holds n * RDZV_SENTINEL_PEERS connections, whatever its size.
- * When a held connection ends, the member is checked at once the way a
+ * Only a connection that answered (the member's node id and incarnation)
+ * is watched: a refusal at an address where the member was never seen
+ * proves nothing (a loopback address registered from another network
+ * namespace is refused by this one's kernel), so such a member is left to
+ * its lease and to its peers' workers. When a held connection ends, the
+ * member is checked at once the way a
  * worker's error exit is (rdzv_check_members): its registration is
  * re-read and its probe asked afresh, and only a member whose agent is
  * gone (refused: nobody holds the port; or the registration is another
@@ -52,6 +57,7 @@ struct rdzv_sentinel {
     pthread_mutex_t mu;
     int stop;
     unsigned gen; /* bumped by every rdzv_sentinel_watch */
+    int holding;  /* connections held now (rdzv_watching) */
     int n;
     char nodes[RDZV_SENTINEL_PEERS][RDZV_NODE_ID_MAX + 1];
 };
@@ -134,9 +140,17 @@ static void connect_peer(rdzv *r, peer *p)
     p->fd = rdzv_probe_hold(reg.addr, reg.probe, p->node, reg.inc, RDZV_PROBE_TIMEOUT_MS, &v, why,
                             sizeof(why));
     if (p->fd >= 0) {
+        pthread_mutex_lock(&r->sentinel->mu);
+        r->sentinel->holding++;
+        pthread_mutex_unlock(&r->sentinel->mu);
         dlog_debug(&r->log, NULL, "watching member %s: %s", p->node, why);
     } else if (v == RDZV_PROBE_DEAD) {
-        suspect(r, p, why);
+        /* Never reached: a refusal proves nothing about an address this node
+         * has not seen the member answer at (a loopback address registered
+         * in another network namespace is refused by this one's kernel).
+         * Only a connection that answered and then closed is judged. */
+        dlog_debug(&r->log, NULL, "member %s not watched: %s", p->node, why);
+        p->done = 1;
     } else {
         p->retry_at = mono_now_ms() + SENTINEL_RETRY_MS;
     }
@@ -173,6 +187,7 @@ static void *sentinel_main(void *arg)
         int stop = s->stop;
         if (!stop && s->gen != seen) {
             drop_all(ps, np);
+            s->holding = 0;
             np = s->n;
             for (int i = 0; i < np; i++)
                 ps[i] = (peer){.fd = -1};
@@ -217,6 +232,9 @@ static void *sentinel_main(void *arg)
             if (!fds[k].revents || !ended(p->fd)) continue;
             close(p->fd);
             p->fd = -1;
+            pthread_mutex_lock(&s->mu);
+            s->holding--;
+            pthread_mutex_unlock(&s->mu);
             suspect(r, p, "its agent's connection closed");
         }
     }
@@ -243,6 +261,16 @@ rdzv_err rdzv_sentinel_start(rdzv *r)
         return RDZV_ERR_NOMEM;
     }
     return RDZV_OK;
+}
+
+int rdzv_watching(rdzv *r)
+{
+    rdzv_sentinel *s = r ? r->sentinel : NULL;
+    if (!s) return 0;
+    pthread_mutex_lock(&s->mu);
+    int n = s->holding;
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }
 
 void rdzv_sentinel_stop(rdzv *r)

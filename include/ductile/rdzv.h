@@ -256,6 +256,10 @@ void rdzv_release(rdzv *r);
 
 /* Seconds this handle has spent between asking for a round and holding it. */
 double rdzv_seconds_in_rendezvous(const rdzv *r);
+/* How many members of this node's round its sentinel watches now: the
+ * connections to their liveness probes it holds (docs/design.md, "A pod
+ * lost, seen by its peers' agents"). */
+int rdzv_watching(rdzv *r);
 
 /* ---- job status (for `ductile-agent status`) ---- */
 

@@ -8,9 +8,9 @@
  *
  * Every event becomes one line on stdout ("WORD key=value ..."), flushed at
  * once, so a test can read what each participant believes. Commands on
- * stdin, one per line: leave, fail REASON (a first-hand failure), lost
- * REASON (a lost peer), finish, close. EOF on stdin closes the handle
- * without leaving (peers then see the lease expire). --failpoints sets
+ * stdin, one per line: watching (answers WATCHING n=K: rdzv_watching),
+ * leave, fail REASON (a first-hand failure), lost REASON (a lost peer), finish, close. EOF on stdin
+ * closes the handle without leaving (peers then see the lease expire). --failpoints sets
  * DUCTILE_FAILPOINTS for this process (failpoint.h).
  */
 #include "ductile/clock.h"
@@ -190,7 +190,9 @@ int main(int argc, char **argv)
         char *nl;
         while ((nl = memchr(line, '\n', llen)) != NULL) {
             *nl = '\0';
-            if (!strcmp(line, "leave")) {
+            if (!strcmp(line, "watching")) {
+                printf("WATCHING node=%s n=%d\n", cfg.node_id, rdzv_watching(r));
+            } else if (!strcmp(line, "leave")) {
                 err = rdzv_leave(r);
                 printf("LEFT node=%s rc=%s\n", cfg.node_id, err_name(err));
                 left = done = 1;

@@ -237,11 +237,30 @@ static int sc_kill(tp_set *s)
     return rc;
 }
 
+/* Waits until each of ids[0..n) watches `want` members (rdzv_watching). */
+static int wait_watching(tp_set *s, const int *ids, int n, int want)
+{
+    char line[LINE];
+    double deadline = mono_now_s() + 30.0;
+    for (int k = 0; k < n; k++) {
+        for (;;) {
+            CHECK_OR_RETURN(tp_send(s, ids[k], "watching") == 0, "send");
+            CHECK_OR_RETURN(tp_expect(s, ids[k], "WATCHING", 10000, line, sizeof(line)) == 0,
+                            "no WATCHING answer");
+            if (tp_ifield(line, "n") == want) break;
+            CHECK_OR_RETURN(mono_now_s() < deadline, "%s never watched %d members", line, want);
+            usleep(100 * 1000);
+        }
+    }
+    return 0;
+}
+
 /* A member killed (its pod gone: the process and its sockets) is seen at
  * once by the members that watch it (rdzv_sentinel.c), not a lease TTL
  * later: the TTL is 60 s, the bound 30 s. A member that is stopped
  * (SIGSTOP: alive, silent, its sockets open) is not cut off: the round
- * goes on, and it is still in it when it wakes. */
+ * goes on, and it is still in it when it wakes. Each member watches the
+ * next two before the kill (a member never seen answering is not judged). */
 static int sc_sentinel(tp_set *s)
 {
     snprintf(s->job, sizeof(s->job), "sentinel");
@@ -250,6 +269,7 @@ static int sc_sentinel(tp_set *s)
     int ids[4];
     const char *opts = "--min 2 --max 4 --ttl 60 --last-call-ms 300 --addr 127.0.0.1";
     if (start_round(s, 4, opts, ids, lines) != 0) return 1;
+    if (wait_watching(s, ids, 4, 2) != 0) return 1;
     int victim = holder(lines, 4, 1);
     CHECK_OR_RETURN(victim >= 0, "no rank 1");
     double t0 = mono_now_s();
