@@ -41,6 +41,7 @@ Exit 0 when every scenario passes, 77 when all were skipped, else 1.
 """
 import argparse
 import collections
+import base64
 import json
 import os
 import random
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../harness"))
 from testlib import Etcd, Fail, Netns, Skip, check, kill_tree, children  # noqa: E402
 from testlib import wait_for as _wait_for  # noqa: E402
@@ -550,6 +552,15 @@ def sc_disk_full(env, mode, ref):
         subprocess.run(["umount", "-l", mnt])
 
 
+def etcd_has(etcd, key):
+    """Whether etcd holds key now (its v3 HTTP/JSON range call)."""
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
+                       "count_only": True}).encode()
+    req = urllib.request.Request(etcd.endpoint + "/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return int(json.load(r).get("count", 0)) > 0
+
+
 def sc_netns(env, mode, ref):
     """One node in its own network namespace, reached over a veth pair with
     addresses in a private /30; etcd listens on the host side. Cutting the
@@ -572,7 +583,9 @@ def sc_netns(env, mode, ref):
             job.extra = ["--host", ns_ip]
             cut = job.start(name="cut", endpoint="http://%s:%d" % (host_ip, etcd.port),
                             prefix=link.prefix())
-            time.sleep(0.5)
+            # Ranks follow join order: the others start once cut has joined.
+            wait_for(lambda: etcd_has(etcd, "/ductile/%s/rounds/1/joined/cut" % job.job), 60,
+                     "node 'cut' to join round 1")
             job.extra = ["--host", host_ip]
             for _ in range(2):
                 job.start()
