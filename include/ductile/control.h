@@ -30,8 +30,22 @@
  *   stop
  *         the agent is shutting down (SIGTERM): finish the current step,
  *         save, exit 0. The worker also receives SIGTERM.
+ *   hello VERSION MODE
+ *         the agent's answer to every `hello`: it speaks control protocol
+ *         VERSION (CTL_VERSION) and its --rebuild is MODE, inplace or
+ *         restart.
  *
  * worker -> agent (all optional; a worker that never writes is fine)
+ *   hello VERSION [inplace]
+ *                   the worker speaks control protocol VERSION (a decimal
+ *                   integer >= 1); inplace: it keeps its process across
+ *                   rounds (reads `round` and `abort` lines and rebuilds its
+ *                   group itself). Sent once, at start (before or after
+ *                   `ready`). In inplace mode the agent keeps a node's
+ *                   workers at a round's end only when every one of them
+ *                   said `hello CTL_VERSION inplace`; otherwise it restarts
+ *                   them all (a worker that never says it, an unmodified
+ *                   PyTorch script, could not learn its new round).
  *   ready           set up for the current round
  *   step K [samples N] [loss L]
  *                   finished step K; the next step's local work begins.
@@ -94,6 +108,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The control protocol's version, in `hello`. */
+#define CTL_VERSION 1
 #define CTL_MAX_LINE 1024
 /* The longest REASON of `failed` and `peer_lost`, with its NUL. */
 #define CTL_REASON_MAX 512
@@ -170,7 +186,11 @@ typedef enum {
     CTL_FAILED,    /* worker -> agent */
     CTL_PEER_LOST, /* worker -> agent */
     CTL_PHASE,     /* worker -> agent */
+    CTL_HELLO,     /* both ways */
 } ctl_type;
+
+/* HELLO's MODE: none (a worker's `hello VERSION`), inplace or restart. */
+enum { CTL_MODE_NONE = 0, CTL_MODE_INPLACE = 1, CTL_MODE_RESTART = 2 };
 
 typedef struct ctl_msg {
     ctl_type type;
@@ -191,6 +211,8 @@ typedef struct ctl_msg {
     double loss;                 /* STEP: the step's loss, finite */
     char phase[CTL_PHASE_MAX];   /* PHASE */
     char reason[CTL_REASON_MAX]; /* FAILED, PEER_LOST */
+    int version;                 /* HELLO: 1..INT_MAX */
+    int mode;                    /* HELLO: CTL_MODE_* */
 } ctl_msg;
 
 /* Parses one decimal integer word in [min, max]; 0 on success. */
@@ -302,6 +324,17 @@ static inline int ctl_parse(const char *line, ctl_msg *m)
         if (!ctl_phase_valid(w[1])) return -1;
         memcpy(m->phase, w[1], strlen(w[1]) + 1);
         m->type = CTL_PHASE;
+    } else if (strcmp(w[0], "hello") == 0 && (nw == 2 || nw == 3)) {
+        /* Any version parses, so that a mismatch is told apart from noise. */
+        if (ctl_int(w[1], 1, INT_MAX, &v[0])) return -1;
+        if (nw == 3 && strcmp(w[2], "inplace") == 0)
+            m->mode = CTL_MODE_INPLACE;
+        else if (nw == 3 && strcmp(w[2], "restart") == 0)
+            m->mode = CTL_MODE_RESTART;
+        else if (nw == 3)
+            return -1;
+        m->version = (int)v[0];
+        m->type = CTL_HELLO;
     } else if (strcmp(w[0], "abort") == 0 && (nw == 2 || nw == 3)) {
         if (ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
         if (nw == 3 && strcmp(w[2], "graceful") == 0)
@@ -355,6 +388,13 @@ static inline int ctl_format(const ctl_msg *m, char *out, size_t len)
     case CTL_READY:
         n = snprintf(out, len, "ready\n");
         break;
+    case CTL_HELLO: {
+        static const char *const modes[] = {
+            [CTL_MODE_NONE] = "", [CTL_MODE_INPLACE] = " inplace", [CTL_MODE_RESTART] = " restart"};
+        if (m->version < 1 || m->mode < CTL_MODE_NONE || m->mode > CTL_MODE_RESTART) return -1;
+        n = snprintf(out, len, "hello %d%s\n", m->version, modes[m->mode]);
+        break;
+    }
     case CTL_STEP: {
         char samples[40] = "", loss[48] = "";
         if (m->has_samples) {

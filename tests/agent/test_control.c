@@ -7,6 +7,7 @@
 #include "check.h"
 #include "ductile/control.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -26,6 +27,7 @@ static void roundtrip(const ctl_msg *m)
     CHECK(strcmp(back.reason, m->reason) == 0 && back.graceful == m->graceful);
     CHECK(back.has_samples == m->has_samples && back.samples == m->samples);
     CHECK(back.has_loss == m->has_loss && back.loss == m->loss);
+    CHECK(back.version == m->version && back.mode == m->mode);
 }
 
 int main(void)
@@ -58,6 +60,10 @@ int main(void)
         {.type = CTL_PHASE, .phase = "a_phase_name_of_thirtyone_lette"},
         {.type = CTL_FAILED, .reason = "allreduce: peer 3 closed the connection"},
         {.type = CTL_FAILED, .reason = ""},
+        {.type = CTL_HELLO, .version = CTL_VERSION},
+        {.type = CTL_HELLO, .version = CTL_VERSION, .mode = CTL_MODE_INPLACE},
+        {.type = CTL_HELLO, .version = CTL_VERSION, .mode = CTL_MODE_RESTART},
+        {.type = CTL_HELLO, .version = INT_MAX, .mode = CTL_MODE_INPLACE},
     };
     for (size_t i = 0; i < sizeof(simple) / sizeof(simple[0]); i++)
         roundtrip(&simple[i]);
@@ -72,6 +78,11 @@ int main(void)
     CHECK(ctl_parse("abort 4", &out) == 0 && out.round == 4 && !out.graceful);
     CHECK(ctl_parse("abort 4 graceful", &out) == 0 && out.graceful);
     CHECK(ctl_parse("peer_lost 5", &out) == 0 && out.round == 5 && !out.reason[0]);
+    /* hello: any version parses (a mismatch is the reader's to judge). */
+    CHECK(ctl_parse("hello 1 inplace\n", &out) == 0 && out.type == CTL_HELLO);
+    CHECK(out.version == 1 && out.mode == CTL_MODE_INPLACE);
+    CHECK(ctl_parse("hello 2", &out) == 0 && out.version == 2 && out.mode == CTL_MODE_NONE);
+    CHECK(ctl_parse("hello 1 restart", &out) == 0 && out.mode == CTL_MODE_RESTART);
     const char *bad[] = {
         "",
         "\n",
@@ -99,6 +110,15 @@ int main(void)
         "peer_lost -2 reason",
         "stop now",
         "ready 1",
+        "hello 0",
+        "hello -1",
+        "hello x",
+        "hello 1x",
+        "hello 2147483648", /* past INT_MAX */
+        "hello 1 bogus",
+        "hello 1 inplace extra",
+        "hello inplace",
+        "HELLO 1",
         "round 1 0 2 0 0 1 0 a 1",                        /* missing prefix */
         "round 1 2 2 0 0 1 0 a 1 /p/",                    /* rank == world size */
         "round 1 0 2 0 1 1 0 a 1 /p/",                    /* group rank == group world */
@@ -132,6 +152,12 @@ int main(void)
     CHECK(ctl_format(&badphase, buf, sizeof(buf)) < 0);
     CHECK(ctl_phase_waits("comm") && ctl_phase_waits("rebuild") && !ctl_phase_waits("compute") &&
           !ctl_phase_waits("save"));
+    ctl_msg hello0 = {.type = CTL_HELLO, .version = 0};
+    CHECK(ctl_format(&hello0, buf, sizeof(buf)) < 0);
+    ctl_msg hellomode = {.type = CTL_HELLO, .version = 1, .mode = 7};
+    CHECK(ctl_format(&hellomode, buf, sizeof(buf)) < 0);
+    ctl_msg hello1 = {.type = CTL_HELLO, .version = 1, .mode = CTL_MODE_INPLACE};
+    CHECK(ctl_format(&hello1, buf, sizeof(buf)) > 0 && strcmp(buf, "hello 1 inplace\n") == 0);
     ctl_msg none = {.type = CTL_INVALID};
     CHECK(ctl_format(&none, buf, sizeof(buf)) < 0);
     if (check_failures()) return 1;
