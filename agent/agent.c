@@ -14,7 +14,8 @@
  * The round state machine:
  *
  *   RDZV --frozen--> RUNNING --round ended / worker failed--> STOPPING --all gone--> RDZV
- *     (inplace: a round end keeps the workers and goes straight back to RDZV)
+ *     (inplace: a round end keeps the workers and goes straight back to RDZV,
+ *      when every one of them said `hello 1 inplace`; see keep_in_place)
  *   RUNNING --all workers exited 0--> FINISHING --job marked complete--> exit 0
  *   any --SIGTERM--> SHUTDOWN --workers gone--> leave, exit 0
  */
@@ -386,6 +387,70 @@ static void worker_failed(agent *a, const char *reason, int first_hand, int susp
     if (!workers_alive(a) && !a->done) on_workers_gone(a);
 }
 
+/* Whether this node's workers are kept at a round's end: --rebuild inplace
+ * and every live one said `hello CTL_VERSION inplace`. All or nothing: a
+ * node's workers are kept together or restarted together; other nodes
+ * decide for themselves (a fresh worker gets its round on the channel too). */
+static int keep_in_place(const agent *a)
+{
+    if (!a->o->inplace) return 0;
+    for (int i = 0; a->ws.w && i < a->ws.n; i++)
+        if (!a->ws.w[i].exited && !a->ws.w[i].inplace) return 0;
+    return 1;
+}
+
+/* keep_in_place() where round ends; when --rebuild inplace cannot keep the
+ * workers, says so once, naming the first worker that did not say it can
+ * be kept, and the caller restarts them as restart mode does. */
+static int keep_at_end(agent *a, int64_t round)
+{
+    if (!a->o->inplace || keep_in_place(a)) return a->o->inplace;
+    const agent_worker *w = NULL;
+    for (int i = 0; i < a->ws.n && !w; i++)
+        if (!a->ws.w[i].exited && !a->ws.w[i].inplace) w = &a->ws.w[i];
+    char why[160];
+    if (w->version == 0)
+        snprintf(why, sizeof(why),
+                 "did not say \"hello %d inplace\" on its control channel (a script without "
+                 "the in-place helper)",
+                 CTL_VERSION);
+    else if (w->version != CTL_VERSION)
+        snprintf(why, sizeof(why), "speaks control protocol version %d, not %d", w->version,
+                 CTL_VERSION);
+    else
+        snprintf(why, sizeof(why), "said \"hello %d\" without inplace", CTL_VERSION);
+    dlog_warn(&a->lg, "inplace_fallback",
+              "round %lld: worker rank %d %s: restarting this node's workers instead of keeping "
+              "them",
+              (long long)round, w->rank, why);
+    return 0;
+}
+
+/* A worker's `hello`: the first one says what it can do; every one is
+ * answered with this agent's version and rebuild mode. */
+static void on_hello(agent *a, agent_worker *w, const ctl_msg *m)
+{
+    if (w->version) {
+        dlog_warn(&a->lg, "control_invalid", "worker rank %d said hello again: the first stands",
+                  w->rank);
+    } else {
+        w->version = m->version;
+        w->inplace = m->version == CTL_VERSION && m->mode == CTL_MODE_INPLACE;
+        if (m->version != CTL_VERSION)
+            dlog_warn(&a->lg, "control_version",
+                      "worker rank %d speaks control protocol version %d, this agent version "
+                      "%d%s",
+                      w->rank, m->version, CTL_VERSION,
+                      a->o->inplace ? ": it is restarted, not kept in place, at a round's end"
+                                    : "");
+    }
+    ctl_msg r = {.type = CTL_HELLO,
+                 .version = CTL_VERSION,
+                 .mode = a->o->inplace ? CTL_MODE_INPLACE : CTL_MODE_RESTART};
+    if (agent_ctl_send(w, &r) != 0)
+        dlog_warn(&a->lg, "control_failed", "cannot answer the hello of worker rank %d", w->rank);
+}
+
 static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
 {
     agent *a = ctx;
@@ -400,6 +465,9 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
         break;
     case CTL_PHASE: /* the watchdog's alone */
         break;
+    case CTL_HELLO:
+        on_hello(a, w, m);
+        break;
     case CTL_FAILED:
     case CTL_PEER_LOST: {
         int first_hand = m->type == CTL_FAILED;
@@ -409,7 +477,7 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
         /* A lost peer of a round this node has left is old news. */
         if (!first_hand && (!a->in_round || m->round != a->round.number)) break;
         if (a->state != AGENT_RUNNING) break;
-        if (a->o->inplace) {
+        if (keep_at_end(a, a->round.number)) {
             /* The worker keeps its process; the round ends for everyone. */
             dlog_warn(&a->lg, first_hand ? "worker_reported_failure" : "worker_lost_peer",
                       "round %lld: %s", (long long)a->round.number, reason);
@@ -552,7 +620,7 @@ static void launch_round(agent *a, const char *maddr, int mport)
     const rdzv_member *me = rdzv_round_self(rd);
     char prefix[320];
     (void)rdzv_store_prefix(a->o->job, rd->number, prefix, sizeof(prefix)); /* job id checked */
-    if (a->o->inplace && workers_alive(a) == a->o->nproc) {
+    if (workers_alive(a) == a->o->nproc && keep_in_place(a)) {
         /* A stopped or wedged worker would fail the new round's group for
          * everyone: it ends here, as this node's failure, and the node's
          * workers start afresh. */
@@ -657,14 +725,14 @@ static void describe_end(const rdzv_event *ev, char *out, size_t len)
 
 /* The round this node was in is over: in place, the workers end their step
  * and wait for the next round (graceful: every member is alive, so the step
- * in flight finishes; else its collectives are abandoned now); by restart,
- * they are stopped. */
+ * in flight finishes; else its collectives are abandoned now); by restart
+ * (also in inplace mode for workers that cannot be kept), they are stopped. */
 static void leave_round(agent *a, int64_t round_number, int graceful)
 {
     a->in_round = 0;
     agent_master_cancel(&a->master);
     if (a->state != AGENT_RUNNING) return;
-    if (a->o->inplace) {
+    if (keep_at_end(a, round_number)) {
         send_all(a, &(ctl_msg){.type = CTL_ABORT, .round = round_number, .graceful = graceful});
         a->state = AGENT_RDZV;
     } else {
@@ -760,7 +828,7 @@ static void on_event(agent *a, rdzv_event *ev)
                       (long long)ev->round.number, (long long)a->started);
             break;
         }
-        if (a->state == AGENT_RUNNING && !a->o->inplace && workers_alive(a)) {
+        if (a->state == AGENT_RUNNING && workers_alive(a) && !keep_at_end(a, a->round.number)) {
             /* A newer round without an end of ours first: ours is over too. */
             dlog_info(&a->lg, "round_superseded", "round %lld superseded by round %lld",
                       (long long)a->round.number, (long long)ev->round.number);

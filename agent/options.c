@@ -146,8 +146,10 @@ static const agent_opt agent_opt_table[OPT_COUNT] = {
                           "by the worker's own timeouts); auto: 10x the longest local stretch "
                           "seen on this node, at least 120 (1..86400)"},
     [OPT_REBUILD] = {"rebuild", "DUCTILE_REBUILD", "restart|inplace", "restart",
-                     "restart: relaunch workers each round; inplace: keep them, send "
-                     "rounds on DUCTILE_CONTROL_FD"},
+                     "restart: relaunch workers each round; inplace: keep the workers that "
+                     "say `hello 1 inplace` on DUCTILE_CONTROL_FD (ductile-train, a PyTorch "
+                     "script using the ductile.torch helper) and send them each round there; "
+                     "a node's workers that do not all say it are restarted"},
     [OPT_STANDALONE] = {"standalone", "DUCTILE_STANDALONE", NULL, "off",
                         "run a private etcd on a free loopback port (one-machine runs)", 1},
     [OPT_HTTP_PORT] = {"http-port", "DUCTILE_HTTP_PORT", "PORT", "0 (off)",

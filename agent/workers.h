@@ -39,6 +39,8 @@ typedef struct agent_worker {
     int64_t step;
     agent_progress prog; /* samples, rate and loss from its `step` lines */
     int ready;
+    int version; /* control protocol version of its `hello`; 0 before one */
+    int inplace; /* said `hello CTL_VERSION inplace`: it may be kept across rounds */
     /* The progress watchdog's view (watchdog.c); times are mono_now_s(). */
     int watched;               /* said `step`: the watchdog bounds it */
     int beats;                 /* says `phase`, so repeats it (CTL_HEARTBEAT_MS) */

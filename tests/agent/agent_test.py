@@ -910,6 +910,70 @@ def case_abort_kinds(job):
     check(all(pid_alive(p) for p in keep), "workers kept")
 
 
+def ctl_round(job, node_agent):
+    """(round, world, pid) of the newest `round` line node_agent's one live
+    worker read on its control channel, or None."""
+    ws = workers_of(job, node_agent)
+    if len(ws) != 1:
+        return None
+    lines = [l.split() for l in job.worker_log(ws[0]["_pid"]) if l.startswith("round ")]
+    return (int(lines[-1][1]), int(lines[-1][5]), ws[0]["_pid"]) if lines else None
+
+
+def same_round(job, agents, world, newer_than=0):
+    """The round every one of agents' workers was told on its channel, with
+    `world` workers, or None."""
+    got = [ctl_round(job, ag) for ag in agents]
+    if any(g is None or g[1] != world for g in got) or len({g[0] for g in got}) != 1:
+        return None
+    return got[0][0] if got[0][0] > newer_than else None
+
+
+def case_inplace_fallback(job):
+    """--rebuild inplace keeps only the workers that said `hello 1 inplace`:
+    node-a's is kept across a round's end; node-c's (no hello: a script that
+    knows nothing of the protocol) and node-d's (hello of protocol version 2)
+    are restarted instead, each agent saying why in one line, and the
+    restart counts as restart mode's does: not at all for a lost member."""
+    job.flags += FAST + ["--nnodes", "2:4", "--rebuild", "inplace", "--max-restarts", "0"]
+    a, b = job.start("node-a"), job.start("node-b")
+    c = job.start("node-c", env={"AGENT_TEST_HELLO": "none"})
+    d = job.start("node-d", env={"AGENT_TEST_HELLO": "2"})
+    nodes = (a, b, c, d)
+    r1 = wait_for(lambda: same_round(job, nodes, 4), 60, "a round of all 4 nodes")
+    old = {ag.node: ctl_round(job, ag)[2] for ag in nodes}
+    # The agents have the hellos: node-a's and node-d's workers got the answer.
+    for ag in (a, d):
+        wait_for(lambda: "hello 1 inplace" in job.worker_log(old[ag.node]), 10,
+                 "the agent's hello answer to %s's worker" % ag.node)
+    check("speaks control protocol version 2, this agent version 1" in d.log(),
+          "node-d names both versions:\n" + d.log())
+    b.proc.kill()
+    r2 = wait_for(lambda: same_round(job, (a, c, d), 3, newer_than=r1), 60,
+                  "a round of node-a, node-c and node-d")
+    now = {ag.node: ctl_round(job, ag)[2] for ag in (a, c, d)}
+    check(now["node-a"] == old["node-a"] and pid_alive(old["node-a"]),
+          "node-a's worker kept: %r, then %r" % (old, now))
+    check("abort %d lost" % r1 in job.worker_log(old["node-a"]),
+          "node-a's worker told round %d ended: %r" % (r1, job.worker_log(old["node-a"])))
+    check(any(l.startswith("round %d " % r2) for l in job.worker_log(old["node-a"])),
+          "node-a's worker told round %d" % r2)
+    for ag in (c, d):
+        check(now[ag.node] != old[ag.node] and not pid_alive(old[ag.node]),
+              "%s's worker restarted: %r, then %r" % (ag.node, old, now))
+    fallback = r"round %d: worker rank \d+ %s: restarting this node's workers instead of keeping them"
+    lines = re.findall(fallback % (r1, r'did not say "hello 1 inplace" on its control channel '
+                                       r'\(a script without the in-place helper\)'), c.log())
+    check(len(lines) == 1, "node-c says once why it restarts:\n" + c.log())
+    check(re.search(fallback % (r1, "speaks control protocol version 2, not 1"), d.log()),
+          "node-d says why it restarts:\n" + d.log())
+    check("restarting this node's workers" not in a.log(), "node-a keeps its workers:\n" + a.log())
+    check(job_restarts(job) == 0, "no restart counted, got %s" % job_restarts(job))
+    job.command("all", "exit 0")
+    for ag in (a, c, d):
+        check(ag.wait_exit(30) == 0, "agent %s exits 0 at the job's end:\n%s" % (ag.node, ag.log()))
+
+
 def case_crash_counted_once(job):
     """A worker crash seen first by its peers (their rings break) is still one
     restart: the peers' lost-peer reports are not counted, the crashed node's

@@ -6,14 +6,20 @@
  *   $AGENT_TEST_DIR/w.<pid>.env   its environment (KEY=VALUE lines), written
  *                                 once at start (temp file + rename)
  *   $AGENT_TEST_DIR/w.<pid>.log   one line per thing that happened: start,
- *                                 round/abort/stop messages from the control
- *                                 channel, term, term-ignored, peer-lost
+ *                                 round/abort/stop/hello messages from the
+ *                                 control channel, term, term-ignored,
+ *                                 peer-lost
  *   $AGENT_TEST_DIR/cmd.<pid>     a command for this worker, or
  *   $AGENT_TEST_DIR/cmd.all       one for every worker (checked every 50 ms):
  *       exit N | segv | abort | hang | ignore-term | fail REASON | peer-lost
  *       | segv-on-term (crash when the agent's SIGTERM comes)
  *       | bad-step (send one invalid `step` line)
  * Every 0.5 s it says `step K samples 32K loss 2/K` (stall: `phase` alone).
+ *
+ * After `ready` it says `hello 1 inplace` (it keeps its process across rounds
+ * and reads them from the channel), unless AGENT_TEST_HELLO says otherwise:
+ * `none` sends no hello (a script that knows nothing of the protocol), a
+ * number V sends `hello V inplace`.
  *
  * AGENT_TEST_IGNORE_TERM=1 ignores SIGTERM from the start. AGENT_TEST_MESH=1
  * links the workers of a round: rank 0 listens on MASTER_PORT, the others
@@ -122,6 +128,33 @@ static int mesh_open(int rank)
     return fd;
 }
 
+/* One line from the agent, logged; 1 when it is `stop`. */
+static int on_control(const char *dir, const char *line, long long *round)
+{
+    ctl_msg m;
+    if (ctl_parse(line, &m) != 0) {
+        say(dir, "control-invalid %s", line);
+        return 0;
+    }
+    if (m.type == CTL_ROUND)
+        say(dir,
+            "round %lld rank %d world %d local %d group %d/%d restarts %lld "
+            "master %s:%d prefix %s",
+            (long long)m.round, m.rank, m.world_size, m.local_rank, m.group_rank,
+            m.group_world_size, (long long)m.restarts, m.master_addr, m.master_port,
+            m.store_prefix);
+    if (m.type == CTL_ROUND) *round = m.round;
+    if (m.type == CTL_HELLO)
+        say(dir, "hello %d%s", m.version,
+            m.mode == CTL_MODE_INPLACE   ? " inplace"
+            : m.mode == CTL_MODE_RESTART ? " restart"
+                                         : "");
+    if (m.type == CTL_ABORT)
+        say(dir, "abort %lld %s", (long long)m.round, m.graceful ? "graceful" : "lost");
+    if (m.type == CTL_STOP) say(dir, "stop");
+    return m.type == CTL_STOP;
+}
+
 /* Under ASan a SIGSEGV or abort() would become "exit 1"; the crash tests need
  * the worker to die by the signal itself, as it would in production. */
 const char *__asan_default_options(void);
@@ -152,7 +185,22 @@ int main(void)
 
     int ctl = getenv(CTL_ENV) ? atoi(getenv(CTL_ENV)) : -1;
     if (ctl >= 0 && write(ctl, "ready\n", 6) != 6) ctl = -1;
-    FILE *ctl_in = ctl >= 0 ? fdopen(dup(ctl), "r") : NULL;
+    const char *hello = getenv("AGENT_TEST_HELLO");
+    int64_t version = CTL_VERSION;
+    if (hello && strcmp(hello, "none") != 0 && ctl_int(hello, 1, INT_MAX, &version) != 0) {
+        fprintf(stderr, "test_worker: AGENT_TEST_HELLO is '%s', not none or a version >= 1\n",
+                hello);
+        return 3;
+    }
+    if (ctl >= 0 && !(hello && strcmp(hello, "none") == 0)) {
+        ctl_msg m = {.type = CTL_HELLO, .version = (int)version, .mode = CTL_MODE_INPLACE};
+        char line[64];
+        int len = ctl_format(&m, line, sizeof(line));
+        if (len < 0 || write(ctl, line, (size_t)len) != len) ctl = -1;
+    }
+    int ctl_in = ctl >= 0 ? dup(ctl) : -1;
+    char in[2 * CTL_MAX_LINE];
+    size_t nin = 0;
 
     int mesh[65];
     int nmesh = 0;
@@ -227,40 +275,34 @@ int main(void)
         }
         struct pollfd p[66];
         int n = 0;
-        if (!hang && ctl_in) p[n++] = (struct pollfd){.fd = fileno(ctl_in), .events = POLLIN};
+        if (!hang && ctl_in >= 0) p[n++] = (struct pollfd){.fd = ctl_in, .events = POLLIN};
         for (int i = 0; i < nmesh; i++)
             p[n++] = (struct pollfd){.fd = mesh[i], .events = POLLIN};
         int got = poll(p, (nfds_t)n, 50);
         if (got < 0 && errno != EINTR) return 4;
         for (int i = 0; got > 0 && i < n; i++) {
             if (!p[i].revents) continue;
-            if (ctl_in && p[i].fd == fileno(ctl_in)) {
-                char line[CTL_MAX_LINE + 2];
-                if (!fgets(line, sizeof(line), ctl_in)) {
+            if (p[i].fd == ctl_in) {
+                /* Every whole line read, not one a wakeup: the agent's
+                 * lines often come together (a fresh worker's round and
+                 * its hello answer). */
+                ssize_t got = read(ctl_in, in + nin, sizeof(in) - 1 - nin);
+                if (got <= 0) {
                     say(dir, "control-closed");
-                    fclose(ctl_in);
-                    ctl_in = NULL;
+                    close(ctl_in);
+                    ctl_in = -1;
                     continue;
                 }
-                ctl_msg m;
-                if (ctl_parse(line, &m) != 0) {
-                    say(dir, "control-invalid %s", line);
-                    continue;
+                nin += (size_t)got;
+                char *nl;
+                while ((nl = memchr(in, '\n', nin)) != NULL) {
+                    *nl = 0;
+                    int stop = on_control(dir, in, &round);
+                    nin -= (size_t)(nl + 1 - in);
+                    memmove(in, nl + 1, nin);
+                    if (stop && !ignore_term) return 0;
                 }
-                if (m.type == CTL_ROUND)
-                    say(dir,
-                        "round %lld rank %d world %d local %d group %d/%d restarts %lld "
-                        "master %s:%d prefix %s",
-                        (long long)m.round, m.rank, m.world_size, m.local_rank, m.group_rank,
-                        m.group_world_size, (long long)m.restarts, m.master_addr, m.master_port,
-                        m.store_prefix);
-                if (m.type == CTL_ROUND) round = m.round;
-                if (m.type == CTL_ABORT)
-                    say(dir, "abort %lld %s", (long long)m.round, m.graceful ? "graceful" : "lost");
-                if (m.type == CTL_STOP) {
-                    say(dir, "stop");
-                    if (!ignore_term) return 0;
-                }
+                if (nin == sizeof(in) - 1) nin = 0; /* an overlong line: dropped */
             } else if (rank == 0 && p[i].fd == mesh[0]) {
                 int c = accept(mesh[0], NULL, NULL);
                 if (c >= 0 && nmesh < 65) mesh[nmesh++] = c;
