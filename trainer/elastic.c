@@ -130,6 +130,7 @@ static void on_message(elastic *e, const ctl_msg *m)
     case CTL_STOP:
         e->stop = 1;
         break;
+    case CTL_HELLO: /* the agent's answer to ours: nothing to do */
     default:
         break;
     }
@@ -212,6 +213,19 @@ static void *control_thread(void *arg)
         }
     }
     return NULL;
+}
+
+elastic_err elastic_hello(int fd)
+{
+    ctl_msg m = {.type = CTL_HELLO, .version = CTL_VERSION, .mode = CTL_MODE_INPLACE};
+    char line[CTL_MAX_LINE + 1];
+    int n = ctl_format(&m, line, sizeof(line));
+    if (n <= 0 || fd < 0) return ELASTIC_ERR_ARG;
+    ssize_t sent;
+    do {
+        sent = send(fd, line, (size_t)n, MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    return sent == n ? ELASTIC_OK : ELASTIC_ERR_SYS;
 }
 
 elastic_err elastic_open(int fd, int64_t round, elastic **out)

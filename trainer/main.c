@@ -866,6 +866,14 @@ static int trainer_start(trainer *t, int argc, char **argv, int *status)
         *status = 1;
         return -1;
     }
+    /* First, so that a round ending while the first group forms keeps this
+     * process in inplace mode, as every later one does. */
+    elastic_err he = t->env.control_fd >= 0 ? elastic_hello(t->env.control_fd) : ELASTIC_OK;
+    if (he != ELASTIC_OK) {
+        fail(t, "control channel fd %d: %s", t->env.control_fd, elastic_strerror(he));
+        *status = 1;
+        return -1;
+    }
     if (pick_device(t) != 0 || group_join(t) != 0 || elastic_start(t) != 0 ||
         (openblas_set_num_threads(blas_threads(&t->o, &t->g)), 0) || trainer_setup(t) != 0) {
         /* Under an agent, a group that could not form because a peer went

@@ -62,6 +62,14 @@ typedef struct elastic_round {
     char store_prefix[512];
 } elastic_round;
 
+/* Says `hello CTL_VERSION inplace` on control channel fd: this trainer
+ * keeps its process across rounds. Under an agent, once, as soon as the
+ * channel is known (before the first group forms), whatever the agent's
+ * rebuild mode; the agent's own `hello` answer is read and ignored. An
+ * agent in inplace mode restarts, rather than keeps, a worker that has not
+ * said it. ELASTIC_ERR_SYS when the line cannot be written. */
+elastic_err elastic_hello(int fd);
+
 /* Starts reading control channel fd for a trainer started in `round`. */
 elastic_err elastic_open(int fd, int64_t round, elastic **out);
 void elastic_close(elastic *e);

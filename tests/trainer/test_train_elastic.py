@@ -4,7 +4,8 @@
 This script plays ductile-agent for two real trainers: it gives each one end
 of a socketpair as DUCTILE_CONTROL_FD, makes round N the job's current round
 in a real etcd (run under with-etcd), sends `round` and `abort` lines, and
-reads what the trainers report (include/ductile/control.h). Failpoints
+reads what the trainers report (include/ductile/control.h): each says
+`hello 1 inplace` once, and takes the agent's `hello` answer. Failpoints
 (DUCTILE_FAILPOINTS) break one trainer at a chosen call, so every case is
 the same whatever the timing; waits are deadlines for something to happen:
 
@@ -99,6 +100,8 @@ class Job:
                 "--warmup-steps", "5", "--comm-timeout-ms", "5000", "--summary",
                 self.summary] + list(extra)
         self.workers = [Worker(tmp, self.name, r, failpoints.get(r), args) for r in range(WORLD)]
+        for w in self.workers:  # the agent's answer to the trainer's hello
+            w.send("hello 1 inplace")
 
     def make_current(self, n):
         subprocess.run(["etcdctl", "--endpoints=" + ETCD, "put", "/ductile/%s/epoch" % self.name,
@@ -132,6 +135,10 @@ class Job:
         with open(self.summary) as f:
             steps = json.load(f)["steps"]
         check(steps == MAX_STEPS, "%s: %s steps, want %d" % (self.name, steps, MAX_STEPS))
+        for w in self.workers:  # it can be kept in place: said so once, first
+            check(w.said("hello") == ["hello 1 inplace"] and w.lines[0] == "hello 1 inplace",
+                  "%s rank %d: hello %r, first line %r" % (self.name, w.rank, w.said("hello"),
+                                                          w.lines[:1]))
 
     def check_steps(self):
         """Every `step K` carries samples N (this rank's own, in all: the
