@@ -399,7 +399,7 @@ static int keep_in_place(const agent *a)
     return 1;
 }
 
-/* keep_in_place() where round ends; when --rebuild inplace cannot keep the
+/* keep_in_place() where a round ends; when --rebuild inplace cannot keep the
  * workers, says so once, naming the first worker that did not say it can
  * be kept, and the caller restarts them as restart mode does. */
 static int keep_at_end(agent *a, int64_t round)
