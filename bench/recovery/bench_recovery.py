@@ -11,7 +11,8 @@ Runs: ductile in place and by restart (--last-call 1 --lease-ttl 3), each
 also with no restart budget (inplace0, restart0: --max-restarts 0, where a
 pod lost must stay a membership change, not a failure); `script`: ductile by
 restart with its default flags (lease 10 s, last call 5 s, no restart
-budget) running the PyTorch script torchrun runs; and
+budget) running the PyTorch script torchrun runs; `helper`: the same with
+--rebuild inplace and the script using the ductile.torch helper; and
 torchrun (c10d rendezvous) with its defaults and with its fastest settings
 (last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3),
 running the same MLP on the same data with PyTorch DDP (gloo). Every output
@@ -136,6 +137,19 @@ class Script(Ductile):
         return re.search(r"\] step \d+ world", line) is not None
 
 
+class Helper(Script):
+    """`script`, but the script uses the ductile.torch helper and the agent
+    runs with --rebuild inplace: its processes are kept."""
+
+    def start(self, name, lines):
+        cmd = self.agent_cmd(name) + [
+            "--rebuild", "inplace", "--", self.a.python, os.path.join(self.a.here, "torch_mlp.py"),
+            "--inplace", "--data", self.a.data, "--checkpoint", os.path.join(self.d, "torch.ckpt")]
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1", PYTHONPATH=os.path.join(self.a.here, "../../python"))
+        return Proc(name, cmd, lines, env)
+
+
 class Torchrun:
     def __init__(self, a, fast, d, trial):
         self.a, self.fast, self.d = a, fast, d
@@ -205,6 +219,7 @@ def trial(a, kind, event, n):
             "inplace0": lambda: Ductile(a, "inplace", d, n, 0),
             "restart0": lambda: Ductile(a, "restart", d, n, 0),
             "script": lambda: Script(a, d, n),
+            "helper": lambda: Helper(a, d, n),
             "torch": lambda: Torchrun(a, False, d, n),
             "torch-fast": lambda: Torchrun(a, True, d, n)}[kind]()
     procs = []
@@ -257,9 +272,11 @@ def main():
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--events", default="worker_kill,agent_kill,scale_down,scale_up,worker_stop,"
                    "pod_restart")
-    p.add_argument("--kinds", default="inplace,restart,inplace0,restart0,script,torch,torch-fast",
+    p.add_argument("--kinds",
+                   default="inplace,restart,inplace0,restart0,script,helper,torch,torch-fast",
                    help="which runs (inplace0/restart0: ductile with --max-restarts 0; script: "
-                   "ductile with default flags running the PyTorch script)")
+                   "ductile with default flags running the PyTorch script; helper: the same "
+                   "script with ductile.torch, in place)")
     a = p.parse_args()
     a.here = os.path.dirname(os.path.abspath(__file__))
     kinds = a.kinds.split(",")
@@ -304,6 +321,7 @@ def main():
     print("torch: torchrun c10d defaults; torch-fast (tf): last_call_timeout=1, "
           "keep_alive_interval=1, keep_alive_max_attempt=3, --monitor-interval 0.1; "
           "script: ductile-agent, default flags, the same PyTorch script as torchrun; "
+          "helper: that script with ductile.torch, --rebuild inplace; "
           "ratios: torch time / ours; >120: no step at the new size within 120 s")
     return 0
 

@@ -7,6 +7,11 @@ permutation, as ductile-train does. Rank 0 saves a checkpoint (model,
 optimizer, step, position) every --checkpoint-every steps and every
 process resumes from it when torchrun restarts the workers. Every rank
 prints "step N world W" after each step, which the bench timestamps.
+
+With --inplace it uses the ductile.torch helper instead (ductile-agent
+--rebuild inplace): the same model, data and batches, kept in the same
+process across membership changes; "world W resumed at step S" is printed
+after each rebuild.
 """
 import argparse
 import datetime
@@ -27,6 +32,18 @@ def idx(path):
     return np.frombuffer(data, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
+def load(a):
+    x = idx(os.path.join(a.data, "train-images-idx3-ubyte.gz"))[:a.limit_train]
+    y = idx(os.path.join(a.data, "train-labels-idx1-ubyte.gz"))[:a.limit_train]
+    x = torch.from_numpy(x.reshape(len(x), -1).astype(np.float32) / 255.0)
+    return x, torch.from_numpy(y.astype(np.int64))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data", required=True)
@@ -36,20 +53,19 @@ def main():
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--inplace", action="store_true", help="rebuild in place (ductile.torch)")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.inplace:
+        return inplace(a)
     # A generous connect deadline: on 2 busy cores a restarted peer can take
     # several seconds to import torch and listen.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    x = idx(os.path.join(a.data, "train-images-idx3-ubyte.gz"))[:a.limit_train]
-    y = idx(os.path.join(a.data, "train-labels-idx1-ubyte.gz"))[:a.limit_train]
-    x = torch.from_numpy(x.reshape(len(x), -1).astype(np.float32) / 255.0)
-    y = torch.from_numpy(y.astype(np.int64))
+    x, y = load(a)
     n = len(x)
     torch.manual_seed(a.seed)
-    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
-                          nn.Linear(128, 10))
+    model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step, pos, epoch = 0, 0, 0
     if os.path.exists(a.checkpoint):
@@ -82,6 +98,28 @@ def main():
         pos = 0
         epoch += 1
     dist.destroy_process_group()
+
+
+def inplace(a):
+    import ductile.torch as dt
+    x, y = load(a)
+    torch.manual_seed(a.seed)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = dt.State(model, opt, sampler=dt.ElasticSampler(len(x), a.batch, seed=a.seed))
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+
+    def train(state):
+        print("world %d resumed at step %d" % (state.world_size, state.step), flush=True)
+        while state.sampler.epoch < a.epochs:
+            for ids in state.sampler:
+                opt.zero_grad()
+                loss = loss_fn(state.ddp(x[ids]), y[ids]) / a.batch
+                loss.backward()
+                opt.step()
+                state.commit()
+                print("step %d world %d" % (state.step, state.world_size), flush=True)
+    dt.run(train, state, timeout=300)
 
 
 if __name__ == "__main__":

@@ -2012,7 +2012,9 @@ def case_torch_record(job):
           "the message of torch's error file: %s" % a.log())
 
 
-def main():
+def main(cases=None):
+    """Runs the case named on the command line: a case_NAME of cases (a
+    module's globals(): torch_test.py's) or of this module."""
     global ARGS
     ap = argparse.ArgumentParser()
     ap.add_argument("--agent", required=True)
@@ -2020,7 +2022,7 @@ def main():
     ap.add_argument("--torch-python")
     ap.add_argument("case")
     ARGS = ap.parse_args()
-    fn = globals().get("case_" + ARGS.case)
+    fn = (cases or globals()).get("case_" + ARGS.case)
     if not fn:
         print("no such case: " + ARGS.case, file=sys.stderr)
         return 2
