@@ -54,13 +54,17 @@ test: build asan
 test-long: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 3600 -L long
 
-# An unmodified PyTorch DDP script under the agent: torch (several GiB from
-# PyPI) goes into $(ASAN_BUILD)/torch-venv; `make test` skips this test without it.
+# PyTorch under the agent: an unmodified DDP script, and scripts rebuilt in
+# place by ductile.torch (python/, installed here with pip as a user would;
+# the tests import it from the tree). torch (several GiB from PyPI) goes
+# into $(ASAN_BUILD)/torch-venv; `make test` skips these tests without it.
 .PHONY: test-torch
 test-torch: asan
 	[ -x $(ASAN_BUILD)/torch-venv/bin/python ] || python3 -m venv $(ASAN_BUILD)/torch-venv
 	$(ASAN_BUILD)/torch-venv/bin/python -c 'import torch, numpy' 2>/dev/null || \
 	  $(ASAN_BUILD)/torch-venv/bin/pip install -q torch numpy
+	$(ASAN_BUILD)/torch-venv/bin/pip install -q --no-deps ./python
+	$(ASAN_BUILD)/torch-venv/bin/python -I -c 'import ductile.torch'
 	cd $(ASAN_BUILD) && ctest --output-on-failure --timeout 900 -L torch
 
 demo: build
