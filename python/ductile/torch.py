@@ -30,6 +30,7 @@ Under `--rebuild restart` the same script is restarted instead (a lost peer
 exits with status 75 at once, not counted as a failure); outside the agent
 it runs as a plain script with one process group.
 """
+import copy
 import datetime
 import gc
 import inspect
@@ -161,7 +162,8 @@ class State:
     state.best_loss). The helper sets, for each round: ddp (the model
     wrapped for this round's group), rank, world_size, local_rank and
     round; step counts the committed steps of the whole run; stopped is
-    True when run() returned because the agent stopped the worker."""
+    True when run() returned because the agent stopped the worker.
+    commit() ends a step; restore() goes back to the last one."""
 
     def __init__(self, model, optimizer=None, sampler=None, ddp_kwargs=None, **extra):
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
@@ -177,6 +179,7 @@ class State:
         self._has_state = False  # trained or loaded: a newcomer's is not
         self._state_round = -1   # the round this state was last agreed in
         self._ctx = None
+        self._saved = None       # (buffers, fields) as of the last commit
 
     # ---- the step boundary ----
 
@@ -192,6 +195,7 @@ class State:
         self.step += 1
         self.samples += n or 0
         self._has_state = True
+        self._snapshot()
         ctx = self._ctx
         if ctx is not None and ctx.ch is not None:
             if torch.is_tensor(loss):
@@ -199,6 +203,27 @@ class State:
             ctx.ch.report_step(self.step, self.samples, loss)
             ctx.ch.set_phase("compute")
             ctx.boundary(vote=True)
+
+    def _snapshot(self):
+        with torch.no_grad():
+            buffers = [b.detach().clone() for b in self.model.buffers()]
+        self._saved = (buffers, copy.deepcopy({k: getattr(self, k) for k in self._extra}))
+
+    def restore(self):
+        """Back to the last commit: the model's buffers (a failed step's
+        forward changed BatchNorm's running statistics) and your fields.
+        Parameters, optimizer and sampler change only in optimizer.step()
+        and commit(), so a step that failed before them left them as they
+        were. The helper calls it before every rebuild; a commit copies the
+        buffers and the fields for it (keep the fields small)."""
+        if self._saved is None:
+            return
+        buffers, fields = self._saved
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+        for k, v in copy.deepcopy(fields).items():
+            setattr(self, k, v)
 
     # ---- checkpoints (a whole job's restart; in place needs none) ----
 
@@ -257,6 +282,7 @@ class State:
         if rnd.rank != src:
             self._take(box[0])
         self._has_state, self._state_round = True, rnd.number
+        self._snapshot()
         return src, keys[src][2]
 
     def _place(self, rnd):
@@ -488,6 +514,7 @@ def run(fn, state, backend=None, timeout=30.0):
                 ch.peer_lost(rnd.number, why)
                 _say("round %d: a peer is gone (%s)" % (rnd.number, why[:200]))
             _teardown(state, ctx)
+            state.restore()
             if mode == "restart":  # the agent restarts every worker: a lost peer, not counted
                 sys.stdout.flush()
                 sys.stderr.flush()

@@ -299,6 +299,27 @@ def case_torch_helper_alone(job):
     check(failed.startswith("failed ") and "version mismatch" in failed,
           "the agent is told: %r" % failed)
     mine.close()
+    # restore(): back to the last commit (buffers a failed step's forward
+    # changed, the user's fields); the sampler moves only at commit.
+    snippet = """
+import torch, torch.nn as nn, ductile.torch as dt
+m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+st = dt.State(m, torch.optim.SGD(m.parameters(), lr=0.1), sampler=dt.ElasticSampler(10, 2),
+              seen=[1])
+for idx in st.sampler:
+    m(torch.randn(len(idx), 4)); st.commit()
+    break
+mean, pos = m[1].running_mean.clone(), st.sampler.pos
+m(torch.randn(8, 4) + 5)
+st.seen.append(2)
+assert not torch.equal(m[1].running_mean, mean)
+st.restore()
+assert torch.equal(m[1].running_mean, mean), (m[1].running_mean, mean)
+assert st.seen == [1] and st.sampler.pos == pos == 2, (st.seen, st.sampler.pos)
+print("restored")
+"""
+    r = subprocess.run([py, "-c", snippet], env=env, capture_output=True, text=True, timeout=300)
+    check(r.returncode == 0 and "restored" in r.stdout, "restore(): %s" % r.stderr)
     # The examples, each alone on a slice of Fashion-MNIST.
     data = "/usr/share/datasets/fashion-mnist"
     if not os.path.isdir(data):
