@@ -10,7 +10,8 @@
 # (DUCTILE_BENCH_VENV, default ~/.cache/ductile/bench-venv), installed on
 # first use. Two models: the issue's MLP 256-128 (one 0.9 MB gradient
 # bucket, so overlap has nothing to overlap) and a wide MLP 1024-1024
-# (7 MB of gradients in 1 MB buckets), where overlap can pay.
+# (7 MB of gradients in 1 MB buckets), where overlap can pay. Last, PyTorch
+# DDP through the ductile.torch helper beside plain PyTorch DDP.
 #   DDP_STEPS=300 DDP_STEPS_WIDE=100 DDP_BATCH=64
 set -u
 build=${1:?usage: bench/ddp/run.sh BUILD_DIR}
@@ -71,3 +72,9 @@ for cfg in "mlp-256-128 256,128 25 ${DDP_STEPS:-300}" "mlp-1024-1024 1024,1024 1
     row "$name" 2 after "$n2" "$(theirs 2 "$steps" "$hidden" --no-overlap)"
     echo "   $name, 2 ranks: overlap buys $(python3 -c "print(f'{$o2 / $n2:.2f}x' if $n2 else '-')") for ours"
 done
+# What ductile.torch (python/: rebuilt in place; a commit and a one-integer
+# vote per step) costs a PyTorch DDP script, beside the same script without it.
+plain=$(theirs 2 "${DDP_STEPS:-300}" 256,128)
+helper=$(theirs 2 "${DDP_STEPS:-300}" 256,128 --helper)
+echo "   torch DDP through ductile.torch, mlp-256-128, 2 ranks: $helper samples/s vs $plain" \
+    "without it: $(python3 -c "print(f'{$helper / $plain:.2f}x' if $plain else '-')")"

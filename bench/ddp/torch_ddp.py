@@ -2,7 +2,7 @@
 sizes in PyTorch on CPU, with torch.distributed's gloo backend.
 
 usage: torch_ddp.py --world W --batch B --steps N --hidden 256,128 [--no-overlap]
-       [--threads T] [--data DIR]
+       [--threads T] [--data DIR] [--helper]
 
 Each rank trains `steps` steps of `batch` samples (rank r's slice of each
 global batch of a seeded permutation, as ductile-train does), SGD with
@@ -10,6 +10,11 @@ momentum 0.9. With DDP (bucket_cap_mb 25, as ours) gradients are all-reduced
 during backward; --no-overlap instead all-reduces one flat gradient buffer
 after backward. The first 10 steps are warm-up and not timed. Prints one
 JSON line: {"samples_per_s": ..., "world": ..., ...} from rank 0.
+
+--helper trains the same steps through the ductile.torch helper (python/):
+its group, DDP and a commit (with its one-integer vote) per step; each rank
+talks to a stand-in for the agent on a socketpair (hello, one round). The
+ratio to the plain run is what the helper costs per step.
 """
 import argparse
 import gzip
@@ -56,8 +61,60 @@ def mlp(hidden):
     return nn.Sequential(*layers)
 
 
+def helper_worker(rank, args, port, out):
+    """The same steps through ductile.torch, with a stand-in agent."""
+    import socket
+    import threading
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../python"))
+    import ductile.torch as dt
+    world = args.world
+    agent, mine = socket.socketpair()
+    os.environ["DUCTILE_CONTROL_FD"] = str(mine.fileno())
+
+    def stand_in():
+        for line in agent.makefile("r"):
+            if line.startswith("hello"):
+                agent.sendall(b"hello 1 inplace\n")
+                agent.sendall(("round 1 %d %d %d 0 1 0 127.0.0.1 %d /bench/\n" %
+                               (rank, world, rank, port)).encode())
+    threading.Thread(target=stand_in, daemon=True).start()
+    torch.manual_seed(1)
+    x, y = load(args.data)
+    model = mlp([int(h) for h in args.hidden.split(",")])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = dt.State(model, opt, ddp_kwargs={"bucket_cap_mb": 25})
+    loss_fn = nn.CrossEntropyLoss()
+    perm = torch.from_numpy(np.random.default_rng(1).permutation(len(x)))
+    b = args.batch
+
+    def train(state):
+        pos, t0 = 0, None
+        for step in range(WARMUP + args.steps):
+            if step == WARMUP:
+                dist.barrier()
+                t0 = time.perf_counter()
+            if pos + world * b > len(x):
+                pos = 0
+            ids = perm[pos + rank * b: pos + (rank + 1) * b]
+            pos += world * b
+            opt.zero_grad(set_to_none=False)
+            loss = loss_fn(state.ddp(x[ids]), y[ids])
+            loss.backward()
+            opt.step()
+            state.commit(samples=b)
+        dist.barrier()
+        return time.perf_counter() - t0, loss.item()
+    seconds, loss = dt.run(train, state)
+    if rank == 0:
+        out.put({"samples_per_s": args.steps * b * world / seconds, "seconds": seconds,
+                 "world": world, "batch": b, "steps": args.steps, "loss": loss,
+                 "helper": True, "torch": torch.__version__})
+
+
 def worker(rank, args, port, out):
     torch.set_num_threads(args.threads)
+    if args.helper:
+        return helper_worker(rank, args, port, out)
     world = args.world
     if world > 1:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -118,6 +175,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    ap.add_argument("--helper", action="store_true", help="through ductile.torch")
     args = ap.parse_args()
     port = free_port()
     ctx = mp.get_context("spawn")

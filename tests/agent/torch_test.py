@@ -183,20 +183,26 @@ def case_torch_inplace_kill(job):
 
 
 def case_torch_inplace_leave(job):
-    """A node leaves cleanly (SIGTERM): its script ends at a step boundary and
-    exits 0; the others rebuild at world size 2 in place, no step lost."""
+    """A node leaves cleanly (SIGTERM): its scripts end at a step boundary and
+    exit 0; the others rebuild in place, no step lost. Two workers per node
+    (world 6, then 4)."""
     py = torch_python()
-    job.flags += FLAGS + ["--nnodes", "2:3"]
+    job.flags += FLAGS + ["--nnodes", "2:3", "--nproc-per-node", "2"]
     a, b, c = (start(job, n, py) for n in ("node-a", "node-b", "node-c"))
-    r1 = wait_training(job, 3)
+    r1 = wait_training(job, 6)
     kept = {x.node: pids_of(x) for x in (a, b)}
+    check(all(len(p) == 2 for p in kept.values()), "two workers per node: %s" % kept)
     c.signal(signal.SIGTERM)
     check(c.wait_exit(60) == 0, "the leaving agent exits 0:\n" + c.log())
-    r2 = wait_training(job, 2, after=r1)
+    r2 = wait_training(job, 4, after=r1)
     for x in (a, b):
         check_kept(job, x, kept[x.node], r2)
     stopped = [r for rs in records(job).values() for r in rs if r[0] == "stopped"]
-    check(len(stopped) == 1, "the leaving node's script stopped at a boundary: %s" % stopped)
+    check(len(stopped) == 2, "the leaving node's scripts stopped at a boundary: %s" % stopped)
+    # The vote: every rank ended round r1 at the same step, and r2 went on from it.
+    starts = {s[1] for s in syncs(job) if s[0] == r2}
+    check(len({r[1] for r in stopped}) == 1 and starts == {int(stopped[0][1])},
+          "all stopped at one step, the next round started there: %s, %s" % (stopped, starts))
     check(re.search(r"round %d ended: .*node-c.* left" % r1, a.log()) or
           re.search(r"round %d ended: member node-c left" % r1, a.log()),
           "a clean leave, not a loss:\n" + a.log())
