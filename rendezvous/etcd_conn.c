@@ -508,9 +508,17 @@ etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t
                 return ETCD_ERR_UNAVAILABLE;
             }
             goto retry;
+        case CURLE_HTTP2:
+            /* libcurl on GnuTLS reports a connection broken while it sends
+             * HTTP/2's preface, before the request (etcd refusing a TLS 1.3
+             * client certificate just after the handshake), as an HTTP/2
+             * error: nothing was sent, so it is retried as a send failure
+             * is, and the next try reads the TLS alert. */
+            if (sent == 0) goto retry;
+            etcd_conn_seterr(k, "%s", last);
+            return ETCD_ERR_PROTOCOL;
         case CURLE_WEIRD_SERVER_REPLY:
         case CURLE_BAD_CONTENT_ENCODING:
-        case CURLE_HTTP2:
         case CURLE_HTTP3:
         case CURLE_UNSUPPORTED_PROTOCOL: /* schemes are checked up front: an HTTP/0.9 reply */
             etcd_conn_seterr(k, "%s", last);
