@@ -171,7 +171,7 @@ def rss_kib(pid):
 # Library groups of the breakdown, by file name prefix; the first match wins.
 LIB_GROUPS = [
     ("libcurl", ("libcurl",)),
-    ("OpenSSL", ("libssl.", "libcrypto.")),
+    ("OpenSSL (libssl, libcrypto)", ("libssl.", "libcrypto.")),
     ("GnuTLS (nettle, gmp, p11-kit, tasn1)", ("libgnutls", "libnettle", "libhogweed", "libgmp.",
                                              "libp11-kit", "libtasn1", "libffi")),
     ("Kerberos, LDAP, SASL", ("libgssapi", "libkrb5", "libk5crypto", "libcom_err", "libkeyutils",
@@ -181,8 +181,8 @@ LIB_GROUPS = [
       "libzstd", "libz.")),
     ("libmicrohttpd", ("libmicrohttpd",)),
     ("cJSON", ("libcjson",)),
-    ("glibc (libc, ld.so, libm)", ("libc.", "ld-linux", "libm.", "libpthread", "libdl.",
-                                   "librt.")),
+    ("libm", ("libm.",)),
+    ("glibc (libc, ld.so)", ("libc.", "ld-linux", "libpthread", "libdl.", "librt.")),
 ]
 
 
