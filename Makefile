@@ -8,7 +8,7 @@ CMAKE_ARGS ?=
 
 # Debian packages the build, the tests and the demo need.
 DEBS := build-essential cmake pkg-config python3 python3-venv clang libclang-rt-14-dev \
-        libcurl4-openssl-dev libcjson-dev zlib1g-dev libmicrohttpd-dev libopenblas-dev \
+        libcurl4-gnutls-dev libssh2-1-dev libcjson-dev zlib1g-dev libmicrohttpd-dev libopenblas-dev \
         etcd-server etcd-client dataset-fashion-mnist iproute2 procps
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -32,6 +32,7 @@
 
 #include "ductile/clock.h"
 #include "ductile/control.h"
+#include "ductile/etcd.h"
 #include "ductile/log.h"
 #include "ductile/rdzv.h"
 
@@ -1242,7 +1243,7 @@ int agent_run(const agent_opts *o, const dlog *lg, int sigfd)
     agent_master_init(&a.master, &a.tasks);
     agent_task_init(&a.report, &a.tasks);
     agent_task_init(&a.finish, &a.tasks);
-    curl_global_init(CURL_GLOBAL_DEFAULT);
+    etcd_global_init(); /* before any thread; etcd_client_new reports a failure */
 
     char msg[RDZV_MSG_MAX] = "";
     a.etcd.endpoints = o->endpoint;

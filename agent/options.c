@@ -341,7 +341,7 @@ static int parse_secs(const char *s, double min_s, double max_s, int *ms)
     errno = 0;
     double v = strtod(s, &end);
     if (errno || end == s || *end || !isfinite(v) || v < min_s || v > max_s) return -1;
-    *ms = (int)lround(v * 1000.0);
+    *ms = (int)(v * 1000.0 + 0.5); /* v >= 0; not lround: the agent needs no libm */
     return 0;
 }
 
@@ -501,7 +501,7 @@ static int rdzv_conf_set(agent_opts *o, const char *v, char *why, size_t len)
         if (ka) {
             /* torch declares a node dead after max_attempt missed keep-alives:
              * that is the lease TTL. */
-            long ttl = lround(ceil(o->keep_alive_ms / 1000.0 * o->keep_alive_attempts));
+            long ttl = ((long)o->keep_alive_ms * o->keep_alive_attempts + 999) / 1000;
             if (ttl < 2 || ttl > 3600) {
                 snprintf(why, len,
                          "keep_alive_interval x keep_alive_max_attempt is %ld s: the lease TTL "

@@ -183,7 +183,11 @@ static etcd_err parse_endpoints(etcd_conn *k, const char *list)
     return ETCD_OK;
 }
 
-static etcd_err check_file(etcd_conn *k, const char *what, const char *path)
+/* A TLS file the client can read; with pem, one that holds a PEM block of
+ * that kind ("CERTIFICATE"). GnuTLS takes a CA file without one as no CA
+ * at all, and would only fail at the handshake, or not at all against a
+ * server that never answers it: it is refused here, whatever the library. */
+static etcd_err check_file(etcd_conn *k, const char *what, const char *path, const char *pem)
 {
     if (!path) return ETCD_OK;
     FILE *f = fopen(path, "r");
@@ -191,7 +195,15 @@ static etcd_err check_file(etcd_conn *k, const char *what, const char *path)
         etcd_conn_seterr(k, "cannot read TLS %s file \"%s\"", what, path);
         return ETCD_ERR_TLS;
     }
+    int found = !pem;
+    char line[256];
+    while (!found && fgets(line, sizeof(line), f))
+        found = strncmp(line, "-----BEGIN ", 11) == 0 && strstr(line, pem) != NULL;
     fclose(f);
+    if (!found) {
+        etcd_conn_seterr(k, "TLS %s file \"%s\" holds no PEM %s", what, path, pem);
+        return ETCD_ERR_TLS;
+    }
     return ETCD_OK;
 }
 
@@ -205,9 +217,9 @@ etcd_err etcd_conn_init(etcd_conn *k, const etcd_config *cfg)
         etcd_conn_seterr(k, "a TLS client key needs a client certificate");
         return ETCD_ERR_ARG;
     }
-    if ((e = check_file(k, "CA", cfg->cacert)) != ETCD_OK) return e;
-    if ((e = check_file(k, "certificate", cfg->cert)) != ETCD_OK) return e;
-    if ((e = check_file(k, "key", cfg->key)) != ETCD_OK) return e;
+    if ((e = check_file(k, "CA", cfg->cacert, "CERTIFICATE")) != ETCD_OK) return e;
+    if ((e = check_file(k, "certificate", cfg->cert, "CERTIFICATE")) != ETCD_OK) return e;
+    if ((e = check_file(k, "key", cfg->key, NULL)) != ETCD_OK) return e;
     if (cfg->user && (!*cfg->user || !cfg->password)) {
         etcd_conn_seterr(k, "etcd auth needs a non-empty user name and a password");
         return ETCD_ERR_ARG;
@@ -508,9 +520,17 @@ etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t
                 return ETCD_ERR_UNAVAILABLE;
             }
             goto retry;
+        case CURLE_HTTP2:
+            /* libcurl on GnuTLS reports a connection broken while it sends
+             * HTTP/2's preface, before the request (etcd refusing a TLS 1.3
+             * client certificate just after the handshake), as an HTTP/2
+             * error: nothing was sent, so it is retried as a send failure
+             * is, and the next try reads the TLS alert. */
+            if (sent == 0) goto retry;
+            etcd_conn_seterr(k, "%s", last);
+            return ETCD_ERR_PROTOCOL;
         case CURLE_WEIRD_SERVER_REPLY:
         case CURLE_BAD_CONTENT_ENCODING:
-        case CURLE_HTTP2:
         case CURLE_HTTP3:
         case CURLE_UNSUPPORTED_PROTOCOL: /* schemes are checked up front: an HTTP/0.9 reply */
             etcd_conn_seterr(k, "%s", last);

@@ -28,13 +28,17 @@ means every worker of the new round has started and written its report.
                             to 4). Baseline: one agent alone (--nnodes 1)
                             from exec to its worker running: the floor of
                             any start (lease, round, spawn).
-  agent RSS                 VmRSS of an agent in a running round. Baseline:
-                            VmRSS of the test worker, a minimal C process.
+  agent RSS                 VmRSS of an agent in a running round (--http-port
+                            on). Baseline: VmRSS of the test worker, a minimal
+                            C process. Below it, where the agent's resident
+                            set goes (/proc/PID/smaps: each library group,
+                            heap, malloc arenas, thread stacks, the rest).
   agent idle CPU            CPU seconds per second over an idle window.
                             Baseline: etcd's over the same window.
 """
 import argparse
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -164,6 +168,72 @@ def rss_kib(pid):
     return 0
 
 
+# Library groups of the breakdown, by file name prefix; the first match wins.
+LIB_GROUPS = [
+    ("libcurl", ("libcurl",)),
+    ("OpenSSL (libssl, libcrypto)", ("libssl.", "libcrypto.")),
+    ("GnuTLS (nettle, gmp, p11-kit, tasn1)", ("libgnutls", "libnettle", "libhogweed", "libgmp.",
+                                             "libp11-kit", "libtasn1", "libffi")),
+    ("Kerberos, LDAP, SASL", ("libgssapi", "libkrb5", "libk5crypto", "libcom_err", "libkeyutils",
+                              "libldap", "liblber", "libsasl2", "libresolv")),
+    ("nghttp2, ssh2, rtmp, psl, idn2, brotli, zstd, zlib",
+     ("libnghttp2", "libssh", "librtmp", "libpsl", "libidn2", "libunistring", "libbrotli",
+      "libzstd", "libz.")),
+    ("libmicrohttpd", ("libmicrohttpd",)),
+    ("cJSON", ("libcjson",)),
+    ("libm", ("libm.",)),
+    ("glibc (libc, ld.so)", ("libc.", "ld-linux", "libpthread", "libdl.", "librt.")),
+]
+
+
+def stack_tops(pid):
+    """The stack pointer of every thread of pid blocked in a system call."""
+    sps = []
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/syscall" % (pid, tid)) as f:
+                fields = f.read().split()
+        except OSError:
+            continue
+        if len(fields) >= 8:
+            sps.append(int(fields[7], 16))
+    return sps
+
+
+def rss_breakdown(pid, exe):
+    """KiB resident per part of pid's address space, from /proc/PID/smaps.
+
+    A thread stack is the mapping a thread's stack pointer is in; a malloc
+    arena (glibc gives each thread one, up to 8 per core) is an anonymous
+    mapping aligned to its 64 MiB reservation."""
+    sps = stack_tops(pid)
+    parts = {}
+    name = None
+    with open("/proc/%d/smaps" % pid) as f:
+        for line in f:
+            head = line.split(None, 5)
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+$", head[0]):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                path = head[5].strip() if len(head) > 5 else ""
+                base = os.path.basename(path)
+                if path == "[heap]":
+                    name = "heap (brk)"
+                elif path == "[stack]" or any(lo <= sp < hi for sp in sps):
+                    name = "thread stacks"
+                elif os.path.realpath(path) == os.path.realpath(exe):
+                    name = "ductile-agent"
+                elif path.startswith("/"):
+                    name = next((g for g, pre in LIB_GROUPS if base.startswith(pre)),
+                                "other files")
+                elif path == "" and lo % (64 << 20) == 0:
+                    name = "malloc arenas (threads)"
+                else:
+                    name = "other anonymous" if path == "" else path
+            elif line.startswith("Rss:"):
+                parts[name] = parts.get(name, 0) + int(line.split()[1])
+    return parts
+
+
 def cpu_s(pid):
     with open("/proc/%d/stat" % pid) as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -171,10 +241,15 @@ def cpu_s(pid):
 
 
 def costs(window):
-    job, agents, rnd = four("bench-idle-%d" % os.getpid())
+    job = at.Job("bench-idle-%d" % os.getpid(), flags())
+    agents = [job.start("node-%d" % i, ["--http-port", str(at.free_port())]) for i in range(4)]
+    job.wait_round(4, 60)
     try:
-        time.sleep(1.0)
+        time.sleep(1.3)
         agent_rss = statistics.median(rss_kib(a.proc.pid) for a in agents)
+        # The breakdown of the agent whose VmRSS is nearest the median.
+        mid = min(agents, key=lambda a: abs(rss_kib(a.proc.pid) - agent_rss))
+        parts = rss_breakdown(mid.proc.pid, at.ARGS.agent)
         worker_rss = statistics.median(rss_kib(w["_pid"]) for w in job.alive_workers())
         etcd = int(os.environ["DUCTILE_TEST_ETCD_PID"])
         a0 = [cpu_s(a.proc.pid) for a in agents]
@@ -184,7 +259,7 @@ def costs(window):
         dt = time.monotonic() - t0
         agent_cpu = statistics.mean((cpu_s(a.proc.pid) - c) / dt for a, c in zip(agents, a0))
         etcd_cpu = (cpu_s(etcd) - e0) / dt
-        return agent_rss, worker_rss, agent_cpu, etcd_cpu
+        return agent_rss, parts, worker_rss, agent_cpu, etcd_cpu
     finally:
         job.cleanup(False)
 
@@ -195,6 +270,8 @@ def main():
     ap.add_argument("--worker", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--idle-window", type=float, default=10.0)
+    ap.add_argument("--costs-only", action="store_true",
+                    help="only the agent's costs (RSS and its breakdown, idle CPU)")
     at.ARGS = ap.parse_args()
     n = at.ARGS.repeats
     rows = []
@@ -205,24 +282,9 @@ def main():
         rows.append((label, "%.3f s" % med, base_label, "%.3f s" % base, med / base))
 
     try:
-        timed("SIGKILL -> next round running (workers see it)", lambda i: trial_kill(i, True),
-              "lease TTL", TTL)
-        try:
-            timed("SIGKILL, --max-restarts 0 -> next round running",
-                  lambda i: trial_kill(i, True, 0), "lease TTL", TTL)
-        except JobFailed:
-            rows.append(("SIGKILL, --max-restarts 0 -> next round running", "job failed",
-                         "lease TTL", "%.3f s" % TTL, float("nan")))
-        timed("SIGKILL -> next round running (silent, lease)", lambda i: trial_kill(i, False),
-              "lease TTL", TTL)
-        timed("SIGSTOP worker -> next round running without it", trial_stop,
-              "--hang-timeout", HANG)
-        timed("pod restarted, same id -> back in a running round", trial_restart, "lease TTL",
-              TTL)
-        timed("SIGTERM -> next round running", trial_term, "lease TTL", TTL)
-        solo = statistics.median(solo_start(i) for i in range(n))
-        timed("new agent -> next round running", trial_join, "one agent alone, start", solo)
-        agent_rss, worker_rss, agent_cpu, etcd_cpu = costs(at.ARGS.idle_window)
+        if not at.ARGS.costs_only:
+            recovery(n, timed, rows)
+        agent_rss, parts, worker_rss, agent_cpu, etcd_cpu = costs(at.ARGS.idle_window)
     except at.Fail as e:
         print("bench/agent: %s" % e, file=sys.stderr)
         return 1
@@ -238,7 +300,35 @@ def main():
     print("%-*s  %12s  %-*s  %12s  %7s" % (w, "figure", "ours", bw, "baseline", "value", "ratio"))
     for r in rows:
         print("%-*s  %12s  %-*s  %12s  %7.2f" % (w, r[0], r[1], bw, r[2], r[3], r[4]))
+    print("\nwhere the agent's RSS goes (one agent, /proc/PID/smaps; the worker: %d KiB)" %
+          worker_rss)
+    total = sum(parts.values())
+    for name, kib in sorted(parts.items(), key=lambda kv: -kv[1]):
+        if kib:
+            print("  %-52s %6d KiB  %5.1f%%" % (name, kib, 100.0 * kib / total))
+    print("  %-52s %6d KiB" % ("total (smaps Rss)", total))
     return 0
+
+
+def recovery(n, timed, rows):
+    """The recovery figures: each timed n times, the median beside its baseline."""
+    timed("SIGKILL -> next round running (workers see it)", lambda i: trial_kill(i, True),
+          "lease TTL", TTL)
+    try:
+        timed("SIGKILL, --max-restarts 0 -> next round running",
+              lambda i: trial_kill(i, True, 0), "lease TTL", TTL)
+    except JobFailed:
+        rows.append(("SIGKILL, --max-restarts 0 -> next round running", "job failed",
+                     "lease TTL", "%.3f s" % TTL, float("nan")))
+    timed("SIGKILL -> next round running (silent, lease)", lambda i: trial_kill(i, False),
+          "lease TTL", TTL)
+    timed("SIGSTOP worker -> next round running without it", trial_stop,
+          "--hang-timeout", HANG)
+    timed("pod restarted, same id -> back in a running round", trial_restart, "lease TTL",
+          TTL)
+    timed("SIGTERM -> next round running", trial_term, "lease TTL", TTL)
+    solo = statistics.median(solo_start(i) for i in range(n))
+    timed("new agent -> next round running", trial_join, "one agent alone, start", solo)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,12 @@ typedef struct etcd_config {
 
 typedef struct etcd_client etcd_client;
 
+/* libcurl's global initialisation, as the client needs it: call it before
+ * starting threads when the process also uses libcurl itself (it pairs with
+ * curl_global_cleanup); etcd_client_new calls it once otherwise.
+ * ETCD_ERR_NOMEM when libcurl cannot initialise. */
+etcd_err etcd_global_init(void);
+
 etcd_err etcd_client_new(const etcd_config *cfg, etcd_client **out);
 /* The same, and on failure writes a one-line reason into err (may be NULL). */
 etcd_err etcd_client_new_err(const etcd_config *cfg, etcd_client **out, char *err, size_t errlen);

@@ -473,7 +473,8 @@ static void test_config_errors(void)
     }
     CHECK_OR_EXIT(etcd_client_new(NULL, &x) == ETCD_ERR_ARG && x == NULL);
 
-    /* a CA file that is not PEM: the first call over https fails with TLS */
+    /* a CA file that is not PEM: refused up front as TLS (GnuTLS would take
+     * it as no CA and hang on this server, which never answers TLS) */
     char ca[] = "/tmp/ductile-badca-XXXXXX";
     int fd = mkstemp(ca);
     CHECK_OR_EXIT(fd >= 0 && write(fd, "not a certificate\n", 18) == 18);
@@ -481,12 +482,8 @@ static void test_config_errors(void)
     char eps[128];
     snprintf(eps, sizeof(eps), "https://127.0.0.1:%d", fk.port);
     etcd_config cfg = {.endpoints = eps, .cacert = ca, .timeout_ms = 2000};
-    CHECK_OK(x, etcd_client_new_err(&cfg, &x, err, sizeof(err)));
-    fake_script(&fk, NULL, 0);
-    etcd_kv kv;
-    CHECK_ERR(x, ETCD_ERR_TLS, etcd_get(x, "/k", &kv));
-    CHECK_OR_EXIT(strlen(etcd_last_error(x)) > 0);
-    etcd_client_free(x);
+    CHECK_OR_EXIT(etcd_client_new_err(&cfg, &x, err, sizeof(err)) == ETCD_ERR_TLS && !x &&
+                  strstr(err, "holds no PEM CERTIFICATE"));
     unlink(ca);
 }
 
