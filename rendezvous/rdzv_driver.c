@@ -93,8 +93,12 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
     memset(s, 0, sizeof(*s));
     etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    __atomic_fetch_add(&r->counts.steps, 1, __ATOMIC_RELAXED);
     *moved = !s->txn.succeeded;
-    if (*moved) return RDZV_OK;
+    if (*moved) {
+        __atomic_fetch_add(&r->counts.moved, 1, __ATOMIC_RELAXED);
+        return RDZV_OK;
+    }
     if (s->txn.n != nops) return RDZV_ERR_PROTOCOL;
     s->nodes = &s->txn.ranges[0];
     if (rec->frozen) {

@@ -160,6 +160,9 @@ struct rdzv {
     int64_t backoff_ms;
     int terminal;
     int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
+    /* what the handle costs etcd (rdzv_get_counts): atomics, added to by
+     * every connection of the handle and the driver */
+    rdzv_counts counts;
     char join_target[RDZV_KEY_MAX + 2];
 };
 
