@@ -33,8 +33,17 @@
 
 typedef struct snapshot {
     etcd_txn_result txn;
-    etcd_range_result *nodes, *waiting, *joined, *left;
-    int64_t registered; /* open round: how many nodes are registered (a count) */
+    etcd_range_result *nodes, *waiting, *left; /* frozen round (nodes: this node's key only
+                                                * in an open round) */
+    /* open round: single keys and counts, never the whole list of joins */
+    const etcd_kv *own;    /* this node's join, or NULL */
+    const etcd_kv *first;  /* the earliest live join: the freezer's */
+    const etcd_kv *latest; /* the newest join */
+    const etcd_kv *pred;   /* the join just before this node's (asked only when its
+                            * create revision is known: r->join_rev) */
+    int asked_pred;
+    int64_t joined;     /* how many joins (a count) */
+    int64_t registered; /* how many nodes are registered (a count) */
     int64_t revision;
 } snapshot;
 
@@ -59,38 +68,63 @@ static const char *key_suffix(const char *key)
     return s ? s + 1 : key;
 }
 
+static const etcd_kv *first_kv(const etcd_range_result *rr)
+{
+    return rr->n ? &rr->kvs[0] : NULL;
+}
+
 /* The snapshot a step needs, read in one txn guarded by the round record's
- * mod_revision: for a frozen round the node keys, waiting keys and leave
- * markers; for an open round its joins, this node's own key and the count
- * (only) of registered nodes. Reading only what the state needs keeps a
- * round of N agents at O(N) keys each. */
+ * mod_revision. For a frozen round: the node keys, waiting keys and leave
+ * markers. For an open round only single keys and counts, whatever N: this
+ * node's registration and join, the earliest join (who freezes), the
+ * newest (the last call restarts when it changes), the join just before
+ * this node's (whom a non-freezer watches), and the counts of joins and of
+ * registered nodes. etcd sorts by create revision and counts on its side,
+ * so a join step costs one request of a few hundred bytes at any N; only
+ * the freezer reads the whole list, once, when it freezes (read_joins). */
 static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
 {
-    char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX],
-        left[RDZV_KEY_MAX];
+    char round[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX], left[RDZV_KEY_MAX],
+        own[RDZV_KEY_MAX], all[RDZV_KEY_MAX], mine[RDZV_KEY_MAX];
     long long number = (long long)rec->number;
     rdzv_key(round, sizeof(round), r->cfg.job, "round");
-    if (rec->frozen)
-        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/");
-    else
-        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/%s", r->node);
+    rdzv_key(all, sizeof(all), r->cfg.job, "nodes/");
+    rdzv_key(mine, sizeof(mine), r->cfg.job, "nodes/%s", r->node);
     rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/");
     rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", number);
+    rdzv_key(own, sizeof(own), r->cfg.job, "rounds/%lld/joined/%s", number, r->node);
     rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", number);
     etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
-    char all[RDZV_KEY_MAX];
-    rdzv_key(all, sizeof(all), r->cfg.job, "nodes/");
-    etcd_op ops[3];
-    ops[0] = (etcd_op){.type = ETCD_OP_RANGE, .key = nodes, .prefix = rec->frozen};
-    if (rec->frozen) {
-        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
-        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
-    } else {
-        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
-        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .count_only = 1};
-    }
-    size_t nops = 3;
+    etcd_op ops[6];
+    size_t nops = 0;
     memset(s, 0, sizeof(*s));
+    if (rec->frozen) {
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
+    } else {
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = mine};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = own};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
+                                .key = joined,
+                                .prefix = 1,
+                                .limit = 1,
+                                .sort = ETCD_SORT_CREATE_ASCEND};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
+                                .key = joined,
+                                .prefix = 1,
+                                .limit = 1,
+                                .sort = ETCD_SORT_CREATE_DESCEND};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .count_only = 1};
+        s->asked_pred = r->join_round == rec->number && r->join_rev > 1;
+        if (s->asked_pred)
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
+                                    .key = joined,
+                                    .prefix = 1,
+                                    .limit = 1,
+                                    .sort = ETCD_SORT_CREATE_DESCEND,
+                                    .max_create_revision = r->join_rev - 1};
+    }
     etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
     __atomic_fetch_add(&r->counts.steps, 1, __ATOMIC_RELAXED);
@@ -105,10 +139,32 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
         s->waiting = &s->txn.ranges[1];
         s->left = &s->txn.ranges[2];
     } else {
-        s->joined = &s->txn.ranges[1];
-        s->registered = s->txn.ranges[2].count;
+        s->own = first_kv(&s->txn.ranges[1]);
+        s->first = first_kv(&s->txn.ranges[2]);
+        s->joined = s->txn.ranges[2].count;
+        s->latest = first_kv(&s->txn.ranges[3]);
+        s->registered = s->txn.ranges[4].count;
+        if (s->asked_pred) s->pred = first_kv(&s->txn.ranges[5]);
     }
     s->revision = s->txn.revision;
+    return RDZV_OK;
+}
+
+/* The freezer's one read of the whole list of joins, when it freezes,
+ * guarded by the record's mod_revision like every snapshot. */
+static rdzv_err read_joins(rdzv *r, const rdzv_record *rec, int64_t mod, etcd_txn_result *out,
+                           int *moved)
+{
+    char round[RDZV_KEY_MAX], joined[RDZV_KEY_MAX];
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
+    etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
+    etcd_op op = {.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
+    etcd_err e = etcd_txn(r->dc, &cmp, 1, &op, 1, NULL, 0, out);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    *moved = !out->succeeded;
+    if (*moved) __atomic_fetch_add(&r->counts.moved, 1, __ATOMIC_RELAXED);
+    if (!*moved && out->n != 1) return RDZV_ERR_PROTOCOL;
     return RDZV_OK;
 }
 
@@ -343,13 +399,70 @@ static int drop_stale_join(rdzv *r, const etcd_kv *kv)
     return STEP_AGAIN;
 }
 
+/* Whether the freezer freezes a round that n have joined now: at
+ * max_nodes, or at min_nodes once the last call has passed since the last
+ * join (r->fz_last_join). After the job's first round, a round that every
+ * registered node has joined freezes at once: nobody is left to wait for
+ * (a node that registers now waits for the next round, as after the last
+ * call), so a lost member costs no last call. The first round keeps its
+ * last call, for the agents of a starting job still on their way. */
+static int freeze_due(const rdzv *r, const rdzv_record *rec, int64_t n, int64_t registered,
+                      int64_t now)
+{
+    int all_in = rec->nprev > 0 && n >= registered;
+    return n >= r->cfg.max_nodes ||
+           (n >= r->cfg.min_nodes && (all_in || now >= r->fz_last_join + r->cfg.last_call_ms));
+}
+
+/* The freezer's step: it decides on counts, then reads the whole list of
+ * joins once to freeze. A list that is not the one counted (a join or a
+ * joiner's lease came in between) is read again as a new snapshot, so the
+ * freeze always follows the rule for the list it writes. */
+static int freezer_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
+{
+    char prefix[RDZV_KEY_MAX];
+    rdzv_key(prefix, sizeof(prefix), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
+    rdzv_set_join_watch(r, prefix, 1, s->revision + 1);
+    int64_t now = mono_now_ms();
+    int64_t maxrev = s->latest ? s->latest->create_revision : 0;
+    if (r->fz_round != rec->number || r->fz_count != s->joined || r->fz_maxrev != maxrev) {
+        r->fz_round = rec->number;
+        r->fz_count = s->joined;
+        r->fz_maxrev = maxrev;
+        r->fz_last_join = now;
+    }
+    if (!freeze_due(r, rec, s->joined, s->registered, now)) {
+        if (s->joined >= r->cfg.min_nodes) r->last_call_at = r->fz_last_join + r->cfg.last_call_ms;
+        return RDZV_OK;
+    }
+    etcd_txn_result list;
+    int moved = 0;
+    rdzv_err err = read_joins(r, rec, mod, &list, &moved);
+    int rc = err != RDZV_OK ? (int)err : STEP_AGAIN;
+    if (err == RDZV_OK && !moved && (int64_t)list.ranges[0].n == s->joined) {
+        size_t n = list.ranges[0].n;
+        etcd_kv **joined = calloc(n ? n : 1, sizeof(*joined));
+        if (!joined) {
+            rc = RDZV_ERR_NOMEM;
+        } else {
+            for (size_t i = 0; i < n; i++)
+                joined[i] = &list.ranges[0].kvs[i];
+            qsort(joined, n, sizeof(*joined), by_create_revision);
+            rc = freeze(r, rec, mod, joined, n);
+            free(joined);
+        }
+    }
+    etcd_txn_result_free(&list);
+    return rc;
+}
+
 static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
 {
     char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX];
     begin_seek(r);
     rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
              r->node);
-    const etcd_kv *own = find_kv(s->joined, key);
+    const etcd_kv *own = s->own;
     if (own && own->lease != r->lease) return drop_stale_join(r, own);
     if (!own) {
         /* Join: create-only, and only while the round is still current. */
@@ -363,56 +476,36 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
                             .value = num,
                             .value_len = strlen(num)};
         etcd_op unwait = {.type = ETCD_OP_DELETE, .key = waiting};
-        rdzv_err err = rdzv_register_node(r, r->dc, key, &current, &unwait, NULL, NULL);
+        int won = 0;
+        int64_t rev = 0;
+        rdzv_err err = rdzv_register_node(r, r->dc, key, &current, &unwait, &won, &rev);
         if (err != RDZV_OK) return err;
         r->waiting_written = 0;
         r->spare_round = 0;
-        dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
+        if (won) {
+            /* the txn's revision is the join's create revision: the next
+             * snapshot asks for the join before it */
+            r->join_round = rec->number;
+            r->join_rev = rev;
+            dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
+        }
         return STEP_AGAIN;
     }
-    size_t n = s->joined->n;
-    etcd_kv **joined = calloc(n, sizeof(*joined));
-    if (!joined) return RDZV_ERR_NOMEM;
-    int64_t maxrev = 0;
-    for (size_t i = 0; i < n; i++) {
-        joined[i] = &s->joined->kvs[i];
-        if (joined[i]->create_revision > maxrev) maxrev = joined[i]->create_revision;
+    if (r->join_round != rec->number || r->join_rev != own->create_revision) {
+        /* A join this driver did not see made (an answer lost): learn its
+         * revision, then read again with the join before it. */
+        r->join_round = rec->number;
+        r->join_rev = own->create_revision;
+        if (!s->first || strcmp(s->first->key, key) != 0) return STEP_AGAIN;
     }
-    qsort(joined, n, sizeof(*joined), by_create_revision);
-    size_t pos = 0;
-    while (pos < n && strcmp(joined[pos]->key, key) != 0)
-        pos++;
-    int rc = RDZV_OK;
-    if (pos > 0) {
-        /* Not the freezer: watch the joiner just before this one. */
-        rdzv_set_join_watch(r, joined[pos - 1]->key, 0, s->revision + 1);
-        r->fz_round = 0;
-    } else {
-        char prefix[RDZV_KEY_MAX];
-        rdzv_key(prefix, sizeof(prefix), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
-        rdzv_set_join_watch(r, prefix, 1, s->revision + 1);
-        int64_t now = mono_now_ms();
-        if (r->fz_round != rec->number || r->fz_count != (int64_t)n || r->fz_maxrev != maxrev) {
-            r->fz_round = rec->number;
-            r->fz_count = (int64_t)n;
-            r->fz_maxrev = maxrev;
-            r->fz_last_join = now;
-        }
-        /* After the job's first round, a round that every registered node
-         * has joined freezes at once: nobody is left to wait for (a node
-         * that registers now waits for the next round, as after the last
-         * call), so a lost member costs no last call. The first round keeps
-         * its last call, for the agents of a starting job still on their way. */
-        int all_in = rec->nprev > 0 && (int64_t)n >= s->registered;
-        if ((int64_t)n >= r->cfg.max_nodes ||
-            ((int64_t)n >= r->cfg.min_nodes &&
-             (all_in || now >= r->fz_last_join + r->cfg.last_call_ms)))
-            rc = freeze(r, rec, mod, joined, n);
-        else if ((int64_t)n >= r->cfg.min_nodes)
-            r->last_call_at = r->fz_last_join + r->cfg.last_call_ms;
-    }
-    free(joined);
-    return rc;
+    if (s->first && strcmp(s->first->key, key) == 0) return freezer_step(r, rec, mod, s);
+    r->fz_round = 0;
+    /* Not the freezer: watch the joiner just before this one. A snapshot
+     * whose earliest join is older than this node's always has one. */
+    if (!s->asked_pred) return STEP_AGAIN;
+    if (!s->pred || s->pred->create_revision >= own->create_revision) return RDZV_ERR_PROTOCOL;
+    rdzv_set_join_watch(r, s->pred->key, 0, s->revision + 1);
+    return RDZV_OK;
 }
 
 /* Returns RDZV_OK, an error, or STEP_AGAIN. */
