@@ -145,6 +145,13 @@ static rdzv_err check_job_limits(rdzv *r, char *msg)
         return err;
     }
     if (!have) return RDZV_OK;
+    /* The driver's first step starts from this record (one request less
+     * per join); its snapshot is guarded by the record's mod_revision, so
+     * a record that moved meanwhile is only read again. */
+    free(r->round_cache);
+    r->round_cache = rdzv_record_json(&rec);
+    r->round_cache_len = r->round_cache ? strlen(r->round_cache) : 0;
+    r->round_cache_mod = mod;
     if (rec.max_nodes > 0 &&
         (rec.min_nodes != r->cfg.min_nodes || rec.max_nodes != r->cfg.max_nodes)) {
         snprintf(msg, RDZV_MSG_MAX,
