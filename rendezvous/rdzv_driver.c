@@ -26,8 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* What a step returns besides rdzv_err: the snapshot moved, read again. */
+/* What a step returns besides rdzv_err: the record moved (or this step
+ * wrote it), read it again; or the step wrote a key other than the record,
+ * so the next step reads a new snapshot of the same record (its guard
+ * tells if the record moved meanwhile), one request less. */
 #define STEP_AGAIN (-1)
+#define STEP_SNAPSHOT (-2)
 
 /* ---- reading a snapshot ---- */
 
@@ -396,7 +400,7 @@ static int drop_stale_join(rdzv *r, const etcd_kv *kv)
     etcd_op del = {.type = ETCD_OP_DELETE, .key = kv->key};
     if (etcd_txn(r->dc, &same, 1, &del, 1, NULL, 0, NULL) != ETCD_OK) return RDZV_ERR_ETCD;
     dlog_debug(&r->log, NULL, "deleted %s of lease %lld", kv->key, (long long)kv->lease);
-    return STEP_AGAIN;
+    return STEP_SNAPSHOT;
 }
 
 /* Whether the freezer freezes a round that n have joined now: at
@@ -438,7 +442,7 @@ static int freezer_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snap
     etcd_txn_result list;
     int moved = 0;
     rdzv_err err = read_joins(r, rec, mod, &list, &moved);
-    int rc = err != RDZV_OK ? (int)err : STEP_AGAIN;
+    int rc = err != RDZV_OK ? (int)err : moved ? STEP_AGAIN : STEP_SNAPSHOT;
     if (err == RDZV_OK && !moved && (int64_t)list.ranges[0].n == s->joined) {
         size_t n = list.ranges[0].n;
         etcd_kv **joined = calloc(n ? n : 1, sizeof(*joined));
@@ -489,26 +493,26 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
             r->join_rev = rev;
             dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
         }
-        return STEP_AGAIN;
+        return STEP_SNAPSHOT;
     }
     if (r->join_round != rec->number || r->join_rev != own->create_revision) {
         /* A join this driver did not see made (an answer lost): learn its
          * revision, then read again with the join before it. */
         r->join_round = rec->number;
         r->join_rev = own->create_revision;
-        if (!s->first || strcmp(s->first->key, key) != 0) return STEP_AGAIN;
+        if (!s->first || strcmp(s->first->key, key) != 0) return STEP_SNAPSHOT;
     }
     if (s->first && strcmp(s->first->key, key) == 0) return freezer_step(r, rec, mod, s);
     r->fz_round = 0;
     /* Not the freezer: watch the joiner just before this one. A snapshot
      * whose earliest join is older than this node's always has one. */
-    if (!s->asked_pred) return STEP_AGAIN;
+    if (!s->asked_pred) return STEP_SNAPSHOT;
     if (!s->pred || s->pred->create_revision >= own->create_revision) return RDZV_ERR_PROTOCOL;
     rdzv_set_join_watch(r, s->pred->key, 0, s->revision + 1);
     return RDZV_OK;
 }
 
-/* Returns RDZV_OK, an error, or STEP_AGAIN. */
+/* Returns RDZV_OK, an error, STEP_AGAIN or STEP_SNAPSHOT. */
 static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
 {
     if (strcmp(rec->job, "done") == 0) {
@@ -563,14 +567,16 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
 
 static rdzv_err reconcile(rdzv *r)
 {
+    rdzv_record rec;
+    memset(&rec, 0, sizeof(rec));
+    int64_t mod = 0;
+    int keep = 0; /* rec and mod hold the record the last step took */
     for (int attempt = 0; attempt < 100 && !r->terminal; attempt++) {
-        rdzv_record rec;
-        int64_t mod = 0;
-        int have = 0;
+        int have = keep;
         rdzv_err err = RDZV_OK;
-        if (attempt == 0 && rdzv_take_cached_round(r, &rec, &mod))
+        if (!keep && attempt == 0 && rdzv_take_cached_round(r, &rec, &mod))
             have = 1;
-        else
+        else if (!keep)
             err = rdzv_read_round(r, r->dc, &rec, &mod, &have);
         if (err == RDZV_ERR_PROTOCOL) {
             rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_PROTOCOL,
@@ -585,9 +591,12 @@ static rdzv_err reconcile(rdzv *r)
             continue;
         }
         int rc = step(r, &rec, mod);
+        keep = rc == STEP_SNAPSHOT;
+        if (keep) continue;
         rdzv_record_free(&rec);
         if (rc != STEP_AGAIN) return (rdzv_err)rc;
     }
+    if (keep) rdzv_record_free(&rec);
     return RDZV_OK;
 }
 
