@@ -194,11 +194,31 @@ static int collect_counts(tp_set *s, const int *ids, int n, form_result *res)
     return 0;
 }
 
-/* One second, and one more per 512 participants on a machine this small. */
-static void sleep_counts_settle(int n)
+/* The counts once they have settled: every participant has taken its
+ * first step in the frozen round (its snapshot, its member watches), so
+ * that they do not depend on how far each one got when the last one froze.
+ * Collected every second until the requests but keep-alives stop changing
+ * (at most 60 s: then the last collection). */
+static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
 {
-    struct timespec ts = {.tv_sec = 1 + n / 512, .tv_nsec = 0};
-    nanosleep(&ts, NULL);
+    uint64_t last = UINT64_MAX;
+    for (int round = 0; round < 60; round++) {
+        struct timespec ts = {.tv_sec = 1, .tv_nsec = 0};
+        nanosleep(&ts, NULL);
+        form_result now;
+        memset(&now, 0, sizeof(now));
+        if (collect_counts(s, ids, n, &now) != 0) return -1;
+        uint64_t work = now.total - now.kinds[ETCD_REQ_KEEPALIVE];
+        memcpy(res->kinds, now.kinds, sizeof(now.kinds));
+        res->total = now.total;
+        res->most = now.most;
+        res->steps = now.steps;
+        res->moved = now.moved;
+        res->bytes = now.bytes;
+        if (work == last) break;
+        last = work;
+    }
+    return 0;
 }
 
 static int form(const char *endpoint, pid_t etcd_pid, int n, form_result *res)
@@ -229,11 +249,7 @@ static int form(const char *endpoint, pid_t etcd_pid, int n, form_result *res)
     if (t1 > 0) res->secs = t1 - t0;
     if (treg > 0) res->last_open = treg - t0;
     if (t1 > 0 && treg > 0) res->after_open = t1 - treg;
-    /* the counts once every participant has taken its first step in the
-     * frozen round (its member watches started), so that they do not
-     * depend on how far each one got when the last one froze */
-    if (t1 > 0) sleep_counts_settle(n);
-    int ok = t1 > 0 && tp_check_agreement(&s) == 0 && collect_counts(&s, ids, n, res) == 0;
+    int ok = t1 > 0 && tp_check_agreement(&s) == 0 && settled_counts(&s, ids, n, res) == 0;
     for (int i = 0; i < n; i++)
         tp_send(&s, ids[i], "close");
     tp_free(&s);
