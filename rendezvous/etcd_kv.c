@@ -128,11 +128,12 @@ static cJSON *build_cmp(const etcd_cmp *m)
     return o;
 }
 
-/* count_only, limit, sort and max_create_revision of a RANGE op: the
- * fields of etcd's RangeRequest, left out at their zero values. */
+/* count_only, keys_only, limit, sort and max_create_revision of a RANGE
+ * op: the fields of etcd's RangeRequest, left out at their zero values. */
 static int add_range_options(cJSON *r, const etcd_op *op)
 {
     if (op->count_only && !cJSON_AddBoolToObject(r, "count_only", 1)) return 0;
+    if (op->keys_only && !cJSON_AddBoolToObject(r, "keys_only", 1)) return 0;
     if (op->limit && !etcd_add_int64(r, "limit", op->limit)) return 0;
     if (op->sort != ETCD_SORT_KEY &&
         (!cJSON_AddStringToObject(r, "sort_order",

@@ -78,8 +78,8 @@ static const etcd_kv *first_kv(const etcd_range_result *rr)
 }
 
 /* The snapshot a step needs, read in one txn guarded by the round record's
- * mod_revision. For a frozen round: the node keys, waiting keys and leave
- * markers. For an open round only single keys and counts, whatever N: this
+ * mod_revision. For a frozen round: the node keys (without their values),
+ * waiting keys and leave markers. For an open round only single keys and counts, whatever N: this
  * node's registration and join, the earliest join (who freezes), the
  * newest (the last call restarts when it changes), the join just before
  * this node's (whom a non-freezer watches), and the counts of joins and of
@@ -103,7 +103,8 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
     size_t nops = 0;
     memset(s, 0, sizeof(*s));
     if (rec->frozen) {
-        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1};
+        /* a registration's key and lease are what tell a member lost */
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .keys_only = 1};
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
     } else {

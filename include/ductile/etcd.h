@@ -179,6 +179,7 @@ typedef struct etcd_op {
     const char *key;
     int prefix;                  /* RANGE and DELETE: whole prefix */
     int count_only;              /* RANGE: only the count of matching keys (no kvs) */
+    int keys_only;               /* RANGE: kvs without their values */
     int64_t limit;               /* RANGE: at most this many keys after sorting (0: all) */
     etcd_sort sort;              /* RANGE */
     int64_t max_create_revision; /* RANGE: only keys created at or before it (0: any); the

@@ -187,7 +187,8 @@ static void test_txn(etcd_client *c)
 
 /* A txn's ranges sorted by create revision, limited, filtered by
  * max_create_revision (the rendezvous's predecessor and freezer reads),
- * and the count of the whole range beside them; every request counted. */
+ * the count of the whole range beside them, and keys without values;
+ * every request counted. */
 static void test_range_options(etcd_client *c)
 {
     etcd_counts counts;
@@ -221,10 +222,14 @@ static void test_range_options(etcd_client *c)
          .sort = ETCD_SORT_CREATE_DESCEND,
          .max_create_revision = rev[0] - 1},
         {.type = ETCD_OP_RANGE, .key = "/t/sort/", .prefix = 1, .count_only = 1},
+        {.type = ETCD_OP_RANGE, .key = "/t/sort/", .prefix = 1, .keys_only = 1},
     };
     etcd_txn_result t;
-    CHECK_OK(c, etcd_txn(c, NULL, 0, ops, 5, NULL, 0, &t));
-    CHECK_OR_EXIT(t.succeeded && t.n == 5);
+    CHECK_OK(c, etcd_txn(c, NULL, 0, ops, 6, NULL, 0, &t));
+    CHECK_OR_EXIT(t.succeeded && t.n == 6);
+    CHECK_OR_EXIT(t.ranges[5].n == 3 && strcmp(t.ranges[5].kvs[0].key, "/t/sort/a") == 0);
+    CHECK_OR_EXIT(t.ranges[5].kvs[0].value_len == 0 &&
+                  t.ranges[5].kvs[0].create_revision == rev[2]);
     CHECK_OR_EXIT(t.ranges[0].n == 1 && strcmp(t.ranges[0].kvs[0].key, "/t/sort/b") == 0);
     CHECK_OR_EXIT(t.ranges[0].count == 3 && t.ranges[0].more);
     CHECK_OR_EXIT(t.ranges[1].n == 1 && strcmp(t.ranges[1].kvs[0].key, "/t/sort/a") == 0);
