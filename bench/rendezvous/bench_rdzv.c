@@ -197,8 +197,9 @@ static int collect_counts(tp_set *s, const int *ids, int n, form_result *res)
 /* The counts once they have settled: every participant has taken its
  * first step in the frozen round (its snapshot, its member watches), so
  * that they do not depend on how far each one got when the last one froze.
- * Collected every second until the requests but keep-alives stop changing
- * (at most 60 s: then the last collection). */
+ * Collected every second until the requests but keep-alives, the steps
+ * and the answer bytes stop changing (at most 60 s: then the last
+ * collection). */
 static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
 {
     uint64_t last = UINT64_MAX;
@@ -208,7 +209,9 @@ static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
         form_result now;
         memset(&now, 0, sizeof(now));
         if (collect_counts(s, ids, n, &now) != 0) return -1;
-        uint64_t work = now.total - now.kinds[ETCD_REQ_KEEPALIVE];
+        /* requests count when sent, steps and bytes when answered: a
+         * request still in flight changes one of them */
+        uint64_t work = now.total - now.kinds[ETCD_REQ_KEEPALIVE] + now.steps + now.bytes;
         memcpy(res->kinds, now.kinds, sizeof(now.kinds));
         res->total = now.total;
         res->most = now.most;
