@@ -41,11 +41,11 @@ typedef struct snapshot {
                                                 * in an open round) */
     /* open round: single keys and counts, never the whole list of joins */
     const etcd_kv *own;    /* this node's join, or NULL */
-    const etcd_kv *first;  /* the earliest live join: the freezer's */
-    const etcd_kv *latest; /* the newest join */
-    const etcd_kv *pred;   /* the join just before this node's (asked only when its
-                            * create revision is known: r->join_rev) */
-    int asked_pred;
+    const etcd_kv *pred;   /* the join just before this node's, NULL when it is the
+                            * earliest (asked only when this join's create revision is
+                            * known: r->join_rev) */
+    const etcd_kv *latest; /* the newest join (asked only by the freezer) */
+    int asked_pred, asked_latest;
     int64_t joined;     /* how many joins (a count) */
     int64_t registered; /* how many nodes are registered (a count) */
     int64_t revision;
@@ -79,13 +79,16 @@ static const etcd_kv *first_kv(const etcd_range_result *rr)
 
 /* The snapshot a step needs, read in one txn guarded by the round record's
  * mod_revision. For a frozen round: the node keys (without their values),
- * waiting keys and leave markers. For an open round only single keys and counts, whatever N: this
- * node's registration and join, the earliest join (who freezes), the
- * newest (the last call restarts when it changes), the join just before
- * this node's (whom a non-freezer watches), and the counts of joins and of
- * registered nodes. etcd sorts by create revision and counts on its side,
- * so a join step costs one request of a few hundred bytes at any N; only
- * the freezer reads the whole list, once, when it freezes (read_joins). */
+ * waiting keys and leave markers. For an open round only single keys and
+ * counts, whatever N: this node's registration and join, the counts of
+ * joins and of registered nodes, and once this node has joined the join
+ * just before its own (sorted by create revision in etcd, limit 1, with
+ * max_create_revision = this join's - 1): a non-freezer watches it, and
+ * where there is none this node is the earliest joiner, the freezer, which
+ * also asks for the newest join (the last call restarts when it changes).
+ * A sorted range costs etcd a walk of the joins (about 2 ms at 1024), so
+ * each snapshot asks for at most two; only the freezer reads the whole
+ * list, once, when it freezes (read_joins). */
 static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
 {
     char round[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX], left[RDZV_KEY_MAX],
@@ -110,16 +113,7 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
     } else {
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = mine};
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = own};
-        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
-                                .key = joined,
-                                .prefix = 1,
-                                .limit = 1,
-                                .sort = ETCD_SORT_CREATE_ASCEND};
-        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
-                                .key = joined,
-                                .prefix = 1,
-                                .limit = 1,
-                                .sort = ETCD_SORT_CREATE_DESCEND};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1, .count_only = 1};
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .count_only = 1};
         s->asked_pred = r->join_round == rec->number && r->join_rev > 1;
         if (s->asked_pred)
@@ -129,6 +123,13 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
                                     .limit = 1,
                                     .sort = ETCD_SORT_CREATE_DESCEND,
                                     .max_create_revision = r->join_rev - 1};
+        s->asked_latest = s->asked_pred && r->fz_round == rec->number;
+        if (s->asked_latest)
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
+                                    .key = joined,
+                                    .prefix = 1,
+                                    .limit = 1,
+                                    .sort = ETCD_SORT_CREATE_DESCEND};
     }
     etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
@@ -145,11 +146,10 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
         s->left = &s->txn.ranges[2];
     } else {
         s->own = first_kv(&s->txn.ranges[1]);
-        s->first = first_kv(&s->txn.ranges[2]);
         s->joined = s->txn.ranges[2].count;
-        s->latest = first_kv(&s->txn.ranges[3]);
-        s->registered = s->txn.ranges[4].count;
-        if (s->asked_pred) s->pred = first_kv(&s->txn.ranges[5]);
+        s->registered = s->txn.ranges[3].count;
+        if (s->asked_pred) s->pred = first_kv(&s->txn.ranges[4]);
+        if (s->asked_latest) s->latest = first_kv(&s->txn.ranges[5]);
     }
     s->revision = s->txn.revision;
     return RDZV_OK;
@@ -501,14 +501,19 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
          * revision, then read again with the join before it. */
         r->join_round = rec->number;
         r->join_rev = own->create_revision;
-        if (!s->first || strcmp(s->first->key, key) != 0) return STEP_SNAPSHOT;
+        return STEP_SNAPSHOT;
     }
-    if (s->first && strcmp(s->first->key, key) == 0) return freezer_step(r, rec, mod, s);
+    if (s->pred && s->pred->create_revision >= own->create_revision) return RDZV_ERR_PROTOCOL;
+    if (!s->pred) {
+        /* No join before this one: the earliest live joiner freezes. Its
+         * first step as the freezer reads again with the newest join. */
+        if (s->asked_latest) return freezer_step(r, rec, mod, s);
+        r->fz_round = rec->number;
+        r->fz_count = -1;
+        return STEP_SNAPSHOT;
+    }
+    /* Not the freezer: watch the joiner just before this one. */
     r->fz_round = 0;
-    /* Not the freezer: watch the joiner just before this one. A snapshot
-     * whose earliest join is older than this node's always has one. */
-    if (!s->asked_pred) return STEP_SNAPSHOT;
-    if (!s->pred || s->pred->create_revision >= own->create_revision) return RDZV_ERR_PROTOCOL;
     rdzv_set_join_watch(r, s->pred->key, 0, s->revision + 1);
     return RDZV_OK;
 }
