@@ -148,6 +148,7 @@ void etcd_counts_read(const etcd_counts *counts, etcd_counts *out)
     for (int i = 0; i < ETCD_REQ_KINDS; i++)
         out->n[i] = __atomic_load_n(&counts->n[i], __ATOMIC_RELAXED);
     out->answer_bytes = __atomic_load_n(&counts->answer_bytes, __ATOMIC_RELAXED);
+    out->finished = __atomic_load_n(&counts->finished, __ATOMIC_RELAXED);
 }
 
 uint64_t etcd_counts_total(const etcd_counts *counts)

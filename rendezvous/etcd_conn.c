@@ -458,6 +458,7 @@ etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t
         curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS,
                          (long)(left < ETCD_CONNECT_TIMEOUT_MS ? left : ETCD_CONNECT_TIMEOUT_MS));
         CURLcode cc = curl_easy_perform(h);
+        if (k->counts) __atomic_fetch_add(&k->counts->finished, 1, __ATOMIC_RELAXED);
         long http = 0, sent = 0;
         curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &http);
         curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &sent);

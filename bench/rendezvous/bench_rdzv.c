@@ -144,6 +144,7 @@ typedef struct form_result {
     double base;       /* N sequential puts */
     uint64_t kinds[ETCD_REQ_KINDS];
     uint64_t total, most, steps, moved, bytes;
+    uint64_t inflight; /* requests sent and not answered yet, when counted */
 } form_result;
 
 /* CPU seconds (user + system) that process pid has used, or -1. */
@@ -190,6 +191,7 @@ static int collect_counts(tp_set *s, const int *ids, int n, form_result *res)
         res->steps += (uint64_t)tp_ifield(line, "steps");
         res->moved += (uint64_t)tp_ifield(line, "moved");
         res->bytes += (uint64_t)tp_ifield(line, "bytes");
+        res->inflight += (uint64_t)tp_ifield(line, "inflight");
     }
     return 0;
 }
@@ -197,9 +199,9 @@ static int collect_counts(tp_set *s, const int *ids, int n, form_result *res)
 /* The counts once they have settled: every participant has taken its
  * first step in the frozen round (its snapshot, its member watches), so
  * that they do not depend on how far each one got when the last one froze.
- * Collected every second until the requests but keep-alives, the steps
- * and the answer bytes stop changing (at most 60 s: then the last
- * collection). */
+ * Collected every second until no request is in flight and the requests
+ * but keep-alives, the steps and the answer bytes stop changing (at most
+ * 60 s: then the last collection). */
 static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
 {
     uint64_t last = UINT64_MAX;
@@ -209,8 +211,7 @@ static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
         form_result now;
         memset(&now, 0, sizeof(now));
         if (collect_counts(s, ids, n, &now) != 0) return -1;
-        /* requests count when sent, steps and bytes when answered: a
-         * request still in flight changes one of them */
+        /* requests count when sent, steps and bytes when answered */
         uint64_t work = now.total - now.kinds[ETCD_REQ_KEEPALIVE] + now.steps + now.bytes;
         memcpy(res->kinds, now.kinds, sizeof(now.kinds));
         res->total = now.total;
@@ -218,7 +219,7 @@ static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
         res->steps = now.steps;
         res->moved = now.moved;
         res->bytes = now.bytes;
-        if (work == last) break;
+        if (work == last && now.inflight == 0) break;
         last = work;
     }
     return 0;

@@ -98,6 +98,8 @@ typedef enum {
 typedef struct etcd_counts {
     uint64_t n[ETCD_REQ_KINDS];
     uint64_t answer_bytes; /* of the answers to unary calls (not watch streams) */
+    uint64_t finished;     /* unary requests that got an answer or failed: the others
+                            * but watches are still in flight */
 } etcd_counts;
 
 const char *etcd_req_kind_name(etcd_req_kind kind);

@@ -108,8 +108,10 @@ static void print_counts(const char *node, rdzv *r)
     printf("COUNTS node=%s total=%llu", node, (unsigned long long)etcd_counts_total(&c.etcd));
     for (int k = 0; k < ETCD_REQ_KINDS; k++)
         printf(" %s=%llu", etcd_req_kind_name((etcd_req_kind)k), (unsigned long long)c.etcd.n[k]);
-    printf(" bytes=%llu steps=%llu moved=%llu\n", (unsigned long long)c.etcd.answer_bytes,
-           (unsigned long long)c.steps, (unsigned long long)c.moved);
+    uint64_t unary = etcd_counts_total(&c.etcd) - c.etcd.n[ETCD_REQ_WATCH];
+    printf(" bytes=%llu steps=%llu moved=%llu inflight=%llu\n",
+           (unsigned long long)c.etcd.answer_bytes, (unsigned long long)c.steps,
+           (unsigned long long)c.moved, (unsigned long long)(unary - c.etcd.finished));
 }
 
 int main(int argc, char **argv)

@@ -244,7 +244,7 @@ static void test_range_options(etcd_client *c)
     etcd_counts_read(&counts, &got);
     CHECK_OR_EXIT(got.n[ETCD_REQ_PUT] == 3 && got.n[ETCD_REQ_TXN] == 1 &&
                   got.n[ETCD_REQ_DELETE] == 1 && etcd_counts_total(&got) == 5);
-    CHECK_OR_EXIT(got.answer_bytes > 0);
+    CHECK_OR_EXIT(got.answer_bytes > 0 && got.finished == 5);
     CHECK_OR_EXIT(strcmp(etcd_req_kind_name(ETCD_REQ_KEEPALIVE), "keepalive") == 0);
     etcd_client_count_into(c, NULL);
 }
