@@ -3,9 +3,10 @@
  * One driver thread per handle is level-triggered: whatever woke it (a
  * watch event, the last-call timer, a retry), it reads one consistent
  * snapshot of the job (the round record, then in one txn guarded by the
- * record's mod_revision: node keys, waiting keys, the round's joins and
- * leave markers) and takes the one step that snapshot calls for: join,
- * freeze, open the next round, or report what happened. Every write is a
+ * record's mod_revision: node keys, waiting keys and leave markers of a
+ * frozen round; single keys and counts of an open round's joins) and takes
+ * the one step that snapshot calls for: join, freeze, open the next round,
+ * or report what happened. Every write is a
  * txn guarded by the record's mod_revision, so two agents acting on the same
  * snapshot cannot both win; the loser simply reads again. Because each step
  * starts from etcd's state rather than from the events, a lost event or an
