@@ -144,6 +144,35 @@ void etcd_client_set_name(etcd_client *c, const char *name)
     snprintf(c->name, sizeof(c->name), "%s", name && *name ? name : "client");
 }
 
+const char *etcd_req_kind_name(etcd_req_kind kind)
+{
+    static const char *names[ETCD_REQ_KINDS] = {"range",        "put",         "delete",
+                                                "txn",          "lease_grant", "keepalive",
+                                                "lease_revoke", "watch",       "other"};
+    return (unsigned)kind < ETCD_REQ_KINDS ? names[kind] : "unknown";
+}
+
+void etcd_client_count_into(etcd_client *c, etcd_counts *counts)
+{
+    c->k.counts = counts;
+}
+
+void etcd_counts_read(const etcd_counts *counts, etcd_counts *out)
+{
+    for (int i = 0; i < ETCD_REQ_KINDS; i++)
+        out->n[i] = __atomic_load_n(&counts->n[i], __ATOMIC_RELAXED);
+    out->answer_bytes = __atomic_load_n(&counts->answer_bytes, __ATOMIC_RELAXED);
+    out->finished = __atomic_load_n(&counts->finished, __ATOMIC_RELAXED);
+}
+
+uint64_t etcd_counts_total(const etcd_counts *counts)
+{
+    uint64_t t = 0;
+    for (int i = 0; i < ETCD_REQ_KINDS; i++)
+        t += __atomic_load_n(&counts->n[i], __ATOMIC_RELAXED);
+    return t;
+}
+
 /* The action of failpoint etcd.<client name>.<op> for this call:
  * "unavailable", "ambiguous" (failpoint.h), or NULL. "sleep:MS" stalls the
  * call here and lets it go on; other actions mean nothing here and never

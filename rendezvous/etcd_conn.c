@@ -245,6 +245,7 @@ etcd_err etcd_conn_copy(etcd_conn *dst, const etcd_conn *src)
     memset(dst, 0, sizeof(*dst));
     dst->rng = seed(dst);
     dst->cur = src->cur;
+    dst->counts = src->counts;
     dst->endpoints = calloc(src->nendpoints, sizeof(char *));
     if (!dst->endpoints) return ETCD_ERR_NOMEM;
     int fail = 0;
@@ -274,7 +275,29 @@ static int set_keepcnt(void *user, curl_socket_t fd, curlsocktype purpose)
     return CURL_SOCKOPT_OK;
 }
 
-/* Options shared by unary calls and watch streams. */
+/* The kind of request a path is, for etcd_counts. */
+static etcd_req_kind path_kind(const char *path)
+{
+    static const struct {
+        const char *path;
+        etcd_req_kind kind;
+    } kinds[] = {
+        {"/v3/kv/range", ETCD_REQ_RANGE},
+        {"/v3/kv/put", ETCD_REQ_PUT},
+        {"/v3/kv/deleterange", ETCD_REQ_DELETE},
+        {"/v3/kv/txn", ETCD_REQ_TXN},
+        {"/v3/lease/grant", ETCD_REQ_LEASE_GRANT},
+        {"/v3/lease/keepalive", ETCD_REQ_KEEPALIVE},
+        {"/v3/lease/revoke", ETCD_REQ_LEASE_REVOKE},
+        {"/v3/watch", ETCD_REQ_WATCH},
+    };
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        if (strcmp(path, kinds[i].path) == 0) return kinds[i].kind;
+    return ETCD_REQ_OTHER;
+}
+
+/* Options shared by unary calls and watch streams: called once per request
+ * sent, so this is where requests are counted. */
 etcd_err etcd_conn_setup(etcd_conn *k, CURL *h, const char *path, struct curl_slist **hdrs)
 {
     char url[1024];
@@ -282,6 +305,7 @@ etcd_err etcd_conn_setup(etcd_conn *k, CURL *h, const char *path, struct curl_sl
         etcd_conn_seterr(k, "etcd endpoint URL too long");
         return ETCD_ERR_ARG;
     }
+    if (k->counts) __atomic_fetch_add(&k->counts->n[path_kind(path)], 1, __ATOMIC_RELAXED);
     *hdrs = NULL;
     struct curl_slist *l = curl_slist_append(NULL, "Content-Type: application/json");
     /* no "Expect: 100-continue" round trip for bodies over 1 KiB */
@@ -446,13 +470,17 @@ etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t
         curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS,
                          (long)(left < ETCD_CONNECT_TIMEOUT_MS ? left : ETCD_CONNECT_TIMEOUT_MS));
         CURLcode cc = curl_easy_perform(h);
+        if (k->counts) __atomic_fetch_add(&k->counts->finished, 1, __ATOMIC_RELAXED);
         long http = 0, sent = 0;
         curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &http);
         curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &sent);
         curl_easy_setopt(h, CURLOPT_ERRORBUFFER, NULL);
         curl_slist_free_all(hdrs);
         const char *ep = k->endpoints[k->cur];
-        if (cc == CURLE_OK && http == 200) return ETCD_OK;
+        if (cc == CURLE_OK && http == 200) {
+            if (k->counts) __atomic_fetch_add(&k->counts->answer_bytes, ans->len, __ATOMIC_RELAXED);
+            return ETCD_OK;
+        }
         if (cc == CURLE_OK) {
             int code;
             char msg[ETCD_REASON_MAX];

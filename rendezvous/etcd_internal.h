@@ -102,6 +102,7 @@ typedef struct etcd_conn {
     char *token;
     CURL *easy;
     uint64_t rng;
+    etcd_counts *counts;    /* every request is added here; NULL: not counted */
     char err[ETCD_MSG_MAX]; /* etcd_last_error, etcd_watch_last_error */
 } etcd_conn;
 

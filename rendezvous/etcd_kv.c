@@ -128,6 +128,24 @@ static cJSON *build_cmp(const etcd_cmp *m)
     return o;
 }
 
+/* count_only, keys_only, limit, sort and max_create_revision of a RANGE
+ * op: the fields of etcd's RangeRequest, left out at their zero values. */
+static int add_range_options(cJSON *r, const etcd_op *op)
+{
+    if (op->count_only && !cJSON_AddBoolToObject(r, "count_only", 1)) return 0;
+    if (op->keys_only && !cJSON_AddBoolToObject(r, "keys_only", 1)) return 0;
+    if (op->limit && !etcd_add_int64(r, "limit", op->limit)) return 0;
+    if (op->sort != ETCD_SORT_KEY &&
+        (!cJSON_AddStringToObject(r, "sort_order",
+                                  op->sort == ETCD_SORT_CREATE_ASCEND ? "ASCEND" : "DESCEND") ||
+         !cJSON_AddStringToObject(r, "sort_target", "CREATE")))
+        return 0;
+    if (op->max_create_revision &&
+        !etcd_add_int64(r, "max_create_revision", op->max_create_revision))
+        return 0;
+    return 1;
+}
+
 static cJSON *build_op(const etcd_op *op)
 {
     cJSON *o = cJSON_CreateObject();
@@ -143,8 +161,7 @@ static cJSON *build_op(const etcd_op *op)
             (op->lease && !etcd_add_int64(r, "lease", op->lease)))
             goto err_o;
     } else if (!etcd_add_key_range(r, op->key, op->prefix) ||
-               (op->type == ETCD_OP_RANGE && op->count_only &&
-                !cJSON_AddBoolToObject(r, "count_only", 1))) {
+               (op->type == ETCD_OP_RANGE && !add_range_options(r, op))) {
         goto err_o;
     }
     return o;
@@ -169,6 +186,14 @@ static etcd_err check_ops(etcd_client *c, const etcd_op *ops, size_t n, size_t *
         }
         etcd_err e = etcd_check_key(c, op->key, op->type != ETCD_OP_PUT && op->prefix);
         if (e != ETCD_OK) return e;
+        if (op->type == ETCD_OP_RANGE && (op->limit < 0 || op->max_create_revision < 0 ||
+                                          (unsigned)op->sort > ETCD_SORT_CREATE_DESCEND)) {
+            etcd_conn_seterr(&c->k,
+                             "txn: range %zu has a negative limit or revision, or an "
+                             "unknown order",
+                             i);
+            return ETCD_ERR_ARG;
+        }
         if (op->type == ETCD_OP_PUT && op->value_len && !op->value) {
             etcd_conn_seterr(&c->k, "txn: put %zu has a NULL value with a length", i);
             return ETCD_ERR_ARG;

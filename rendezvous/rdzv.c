@@ -145,6 +145,13 @@ static rdzv_err check_job_limits(rdzv *r, char *msg)
         return err;
     }
     if (!have) return RDZV_OK;
+    /* The driver's first step starts from this record (one request less
+     * per join); its snapshot is guarded by the record's mod_revision, so
+     * a record that moved meanwhile is only read again. */
+    free(r->round_cache);
+    r->round_cache = rdzv_record_json(&rec);
+    r->round_cache_len = r->round_cache ? strlen(r->round_cache) : 0;
+    r->round_cache_mod = mod;
     if (rec.max_nodes > 0 &&
         (rec.min_nodes != r->cfg.min_nodes || rec.max_nodes != r->cfg.max_nodes)) {
         snprintf(msg, RDZV_MSG_MAX,
@@ -352,6 +359,9 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     etcd_client_set_name(r->rep, "api");
     etcd_client_set_name(r->dc, "driver");
     etcd_client_set_name(r->kac, "keepalive");
+    etcd_client *mine[] = {r->api, r->rep, r->dc, r->kac};
+    for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); i++)
+        etcd_client_count_into(mine[i], &r->counts.etcd);
     if ((err = check_job_state(r, msg)) != RDZV_OK) goto err;
     if ((err = check_job_limits(r, msg)) != RDZV_OK) goto err;
 
@@ -492,4 +502,11 @@ double rdzv_seconds_in_rendezvous(const rdzv *r)
     if (r->seek_start_ms) s += (mono_now_ms() - r->seek_start_ms) / 1000.0;
     pthread_mutex_unlock(&m->mu);
     return s;
+}
+
+void rdzv_get_counts(rdzv *r, rdzv_counts *out)
+{
+    etcd_counts_read(&r->counts.etcd, &out->etcd);
+    out->steps = __atomic_load_n(&r->counts.steps, __ATOMIC_RELAXED);
+    out->moved = __atomic_load_n(&r->counts.moved, __ATOMIC_RELAXED);
 }

@@ -3,9 +3,10 @@
  * One driver thread per handle is level-triggered: whatever woke it (a
  * watch event, the last-call timer, a retry), it reads one consistent
  * snapshot of the job (the round record, then in one txn guarded by the
- * record's mod_revision: node keys, waiting keys, the round's joins and
- * leave markers) and takes the one step that snapshot calls for: join,
- * freeze, open the next round, or report what happened. Every write is a
+ * record's mod_revision: node keys, waiting keys and leave markers of a
+ * frozen round; single keys and counts of an open round's joins) and takes
+ * the one step that snapshot calls for: join, freeze, open the next round,
+ * or report what happened. Every write is a
  * txn guarded by the record's mod_revision, so two agents acting on the same
  * snapshot cannot both win; the loser simply reads again. Because each step
  * starts from etcd's state rather than from the events, a lost event or an
@@ -26,15 +27,28 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* What a step returns besides rdzv_err: the snapshot moved, read again. */
+/* What a step returns besides rdzv_err: the record moved (or this step
+ * wrote it), read it again; or the step wrote a key other than the record,
+ * so the next step reads a new snapshot of the same record (its guard
+ * tells if the record moved meanwhile), one request less. */
 #define STEP_AGAIN (-1)
+#define STEP_SNAPSHOT (-2)
 
 /* ---- reading a snapshot ---- */
 
 typedef struct snapshot {
     etcd_txn_result txn;
-    etcd_range_result *nodes, *waiting, *joined, *left;
-    int64_t registered; /* open round: how many nodes are registered (a count) */
+    etcd_range_result *nodes, *waiting, *left; /* frozen round (nodes: this node's key only
+                                                * in an open round) */
+    /* open round: single keys and counts, never the whole list of joins */
+    const etcd_kv *own;    /* this node's join, or NULL */
+    const etcd_kv *pred;   /* the join just before this node's, NULL when it is the
+                            * earliest (asked only when this join's create revision is
+                            * known: r->join_rev) */
+    const etcd_kv *latest; /* the newest join (asked only by the freezer) */
+    int asked_pred, asked_latest;
+    int64_t joined;     /* how many joins (a count) */
+    int64_t registered; /* how many nodes are registered (a count) */
     int64_t revision;
 } snapshot;
 
@@ -59,52 +73,104 @@ static const char *key_suffix(const char *key)
     return s ? s + 1 : key;
 }
 
+static const etcd_kv *first_kv(const etcd_range_result *rr)
+{
+    return rr->n ? &rr->kvs[0] : NULL;
+}
+
 /* The snapshot a step needs, read in one txn guarded by the round record's
- * mod_revision: for a frozen round the node keys, waiting keys and leave
- * markers; for an open round its joins, this node's own key and the count
- * (only) of registered nodes. Reading only what the state needs keeps a
- * round of N agents at O(N) keys each. */
+ * mod_revision. For a frozen round: the node keys (without their values),
+ * waiting keys and leave markers. For an open round only single keys and
+ * counts, whatever N: this node's registration and join, the counts of
+ * joins and of registered nodes, and once this node has joined the join
+ * just before its own (sorted by create revision in etcd, limit 1, with
+ * max_create_revision = this join's - 1): a non-freezer watches it, and
+ * where there is none this node is the earliest joiner, the freezer, which
+ * also asks for the newest join (the last call restarts when it changes).
+ * A sorted range costs etcd a walk of the joins (about 2 ms at 1024), so
+ * each snapshot asks for at most two; only the freezer reads the whole
+ * list, once, when it freezes (read_joins). */
 static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
 {
-    char round[RDZV_KEY_MAX], nodes[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX],
-        left[RDZV_KEY_MAX];
+    char round[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX], left[RDZV_KEY_MAX],
+        own[RDZV_KEY_MAX], all[RDZV_KEY_MAX], mine[RDZV_KEY_MAX];
     long long number = (long long)rec->number;
     rdzv_key(round, sizeof(round), r->cfg.job, "round");
-    if (rec->frozen)
-        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/");
-    else
-        rdzv_key(nodes, sizeof(nodes), r->cfg.job, "nodes/%s", r->node);
+    rdzv_key(all, sizeof(all), r->cfg.job, "nodes/");
+    rdzv_key(mine, sizeof(mine), r->cfg.job, "nodes/%s", r->node);
     rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/");
     rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", number);
+    rdzv_key(own, sizeof(own), r->cfg.job, "rounds/%lld/joined/%s", number, r->node);
     rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", number);
     etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
-    char all[RDZV_KEY_MAX];
-    rdzv_key(all, sizeof(all), r->cfg.job, "nodes/");
-    etcd_op ops[3];
-    ops[0] = (etcd_op){.type = ETCD_OP_RANGE, .key = nodes, .prefix = rec->frozen};
-    if (rec->frozen) {
-        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
-        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
-    } else {
-        ops[1] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
-        ops[2] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .count_only = 1};
-    }
-    size_t nops = 3;
+    etcd_op ops[6];
+    size_t nops = 0;
     memset(s, 0, sizeof(*s));
+    if (rec->frozen) {
+        /* a registration's key and lease are what tell a member lost */
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .keys_only = 1};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
+    } else {
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = mine};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = own};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = joined, .prefix = 1, .count_only = 1};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .count_only = 1};
+        s->asked_pred = r->join_round == rec->number && r->join_rev > 1;
+        if (s->asked_pred)
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
+                                    .key = joined,
+                                    .prefix = 1,
+                                    .limit = 1,
+                                    .sort = ETCD_SORT_CREATE_DESCEND,
+                                    .max_create_revision = r->join_rev - 1};
+        s->asked_latest = s->asked_pred && r->fz_round == rec->number;
+        if (s->asked_latest)
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE,
+                                    .key = joined,
+                                    .prefix = 1,
+                                    .limit = 1,
+                                    .sort = ETCD_SORT_CREATE_DESCEND};
+    }
     etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    __atomic_fetch_add(&r->counts.steps, 1, __ATOMIC_RELAXED);
     *moved = !s->txn.succeeded;
-    if (*moved) return RDZV_OK;
+    if (*moved) {
+        __atomic_fetch_add(&r->counts.moved, 1, __ATOMIC_RELAXED);
+        return RDZV_OK;
+    }
     if (s->txn.n != nops) return RDZV_ERR_PROTOCOL;
     s->nodes = &s->txn.ranges[0];
     if (rec->frozen) {
         s->waiting = &s->txn.ranges[1];
         s->left = &s->txn.ranges[2];
     } else {
-        s->joined = &s->txn.ranges[1];
-        s->registered = s->txn.ranges[2].count;
+        s->own = first_kv(&s->txn.ranges[1]);
+        s->joined = s->txn.ranges[2].count;
+        s->registered = s->txn.ranges[3].count;
+        if (s->asked_pred) s->pred = first_kv(&s->txn.ranges[4]);
+        if (s->asked_latest) s->latest = first_kv(&s->txn.ranges[5]);
     }
     s->revision = s->txn.revision;
+    return RDZV_OK;
+}
+
+/* The freezer's one read of the whole list of joins, when it freezes,
+ * guarded by the record's mod_revision like every snapshot. */
+static rdzv_err read_joins(rdzv *r, const rdzv_record *rec, int64_t mod, etcd_txn_result *out,
+                           int *moved)
+{
+    char round[RDZV_KEY_MAX], joined[RDZV_KEY_MAX];
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
+    etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
+    etcd_op op = {.type = ETCD_OP_RANGE, .key = joined, .prefix = 1};
+    etcd_err e = etcd_txn(r->dc, &cmp, 1, &op, 1, NULL, 0, out);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    *moved = !out->succeeded;
+    if (*moved) __atomic_fetch_add(&r->counts.moved, 1, __ATOMIC_RELAXED);
+    if (!*moved && out->n != 1) return RDZV_ERR_PROTOCOL;
     return RDZV_OK;
 }
 
@@ -336,7 +402,64 @@ static int drop_stale_join(rdzv *r, const etcd_kv *kv)
     etcd_op del = {.type = ETCD_OP_DELETE, .key = kv->key};
     if (etcd_txn(r->dc, &same, 1, &del, 1, NULL, 0, NULL) != ETCD_OK) return RDZV_ERR_ETCD;
     dlog_debug(&r->log, NULL, "deleted %s of lease %lld", kv->key, (long long)kv->lease);
-    return STEP_AGAIN;
+    return STEP_SNAPSHOT;
+}
+
+/* Whether the freezer freezes a round that n have joined now: at
+ * max_nodes, or at min_nodes once the last call has passed since the last
+ * join (r->fz_last_join). After the job's first round, a round that every
+ * registered node has joined freezes at once: nobody is left to wait for
+ * (a node that registers now waits for the next round, as after the last
+ * call), so a lost member costs no last call. The first round keeps its
+ * last call, for the agents of a starting job still on their way. */
+static int freeze_due(const rdzv *r, const rdzv_record *rec, int64_t n, int64_t registered,
+                      int64_t now)
+{
+    int all_in = rec->nprev > 0 && n >= registered;
+    return n >= r->cfg.max_nodes ||
+           (n >= r->cfg.min_nodes && (all_in || now >= r->fz_last_join + r->cfg.last_call_ms));
+}
+
+/* The freezer's step: it decides on counts, then reads the whole list of
+ * joins once to freeze. A list that is not the one counted (a join or a
+ * joiner's lease came in between) is read again as a new snapshot, so the
+ * freeze always follows the rule for the list it writes. */
+static int freezer_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
+{
+    char prefix[RDZV_KEY_MAX];
+    rdzv_key(prefix, sizeof(prefix), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
+    rdzv_set_join_watch(r, prefix, 1, s->revision + 1);
+    int64_t now = mono_now_ms();
+    int64_t maxrev = s->latest ? s->latest->create_revision : 0;
+    if (r->fz_round != rec->number || r->fz_count != s->joined || r->fz_maxrev != maxrev) {
+        r->fz_round = rec->number;
+        r->fz_count = s->joined;
+        r->fz_maxrev = maxrev;
+        r->fz_last_join = now;
+    }
+    if (!freeze_due(r, rec, s->joined, s->registered, now)) {
+        if (s->joined >= r->cfg.min_nodes) r->last_call_at = r->fz_last_join + r->cfg.last_call_ms;
+        return RDZV_OK;
+    }
+    etcd_txn_result list;
+    int moved = 0;
+    rdzv_err err = read_joins(r, rec, mod, &list, &moved);
+    int rc = err != RDZV_OK ? (int)err : moved ? STEP_AGAIN : STEP_SNAPSHOT;
+    if (err == RDZV_OK && !moved && (int64_t)list.ranges[0].n == s->joined) {
+        size_t n = list.ranges[0].n;
+        etcd_kv **joined = calloc(n ? n : 1, sizeof(*joined));
+        if (!joined) {
+            rc = RDZV_ERR_NOMEM;
+        } else {
+            for (size_t i = 0; i < n; i++)
+                joined[i] = &list.ranges[0].kvs[i];
+            qsort(joined, n, sizeof(*joined), by_create_revision);
+            rc = freeze(r, rec, mod, joined, n);
+            free(joined);
+        }
+    }
+    etcd_txn_result_free(&list);
+    return rc;
 }
 
 static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
@@ -345,7 +468,7 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
     begin_seek(r);
     rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
              r->node);
-    const etcd_kv *own = find_kv(s->joined, key);
+    const etcd_kv *own = s->own;
     if (own && own->lease != r->lease) return drop_stale_join(r, own);
     if (!own) {
         /* Join: create-only, and only while the round is still current. */
@@ -359,59 +482,44 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
                             .value = num,
                             .value_len = strlen(num)};
         etcd_op unwait = {.type = ETCD_OP_DELETE, .key = waiting};
-        rdzv_err err = rdzv_register_node(r, r->dc, key, &current, &unwait, NULL, NULL);
+        int won = 0;
+        int64_t rev = 0;
+        rdzv_err err = rdzv_register_node(r, r->dc, key, &current, &unwait, &won, &rev);
         if (err != RDZV_OK) return err;
         r->waiting_written = 0;
         r->spare_round = 0;
-        dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
-        return STEP_AGAIN;
-    }
-    size_t n = s->joined->n;
-    etcd_kv **joined = calloc(n, sizeof(*joined));
-    if (!joined) return RDZV_ERR_NOMEM;
-    int64_t maxrev = 0;
-    for (size_t i = 0; i < n; i++) {
-        joined[i] = &s->joined->kvs[i];
-        if (joined[i]->create_revision > maxrev) maxrev = joined[i]->create_revision;
-    }
-    qsort(joined, n, sizeof(*joined), by_create_revision);
-    size_t pos = 0;
-    while (pos < n && strcmp(joined[pos]->key, key) != 0)
-        pos++;
-    int rc = RDZV_OK;
-    if (pos > 0) {
-        /* Not the freezer: watch the joiner just before this one. */
-        rdzv_set_join_watch(r, joined[pos - 1]->key, 0, s->revision + 1);
-        r->fz_round = 0;
-    } else {
-        char prefix[RDZV_KEY_MAX];
-        rdzv_key(prefix, sizeof(prefix), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
-        rdzv_set_join_watch(r, prefix, 1, s->revision + 1);
-        int64_t now = mono_now_ms();
-        if (r->fz_round != rec->number || r->fz_count != (int64_t)n || r->fz_maxrev != maxrev) {
-            r->fz_round = rec->number;
-            r->fz_count = (int64_t)n;
-            r->fz_maxrev = maxrev;
-            r->fz_last_join = now;
+        if (won) {
+            /* the txn's revision is the join's create revision: the next
+             * snapshot asks for the join before it */
+            r->join_round = rec->number;
+            r->join_rev = rev;
+            dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
         }
-        /* After the job's first round, a round that every registered node
-         * has joined freezes at once: nobody is left to wait for (a node
-         * that registers now waits for the next round, as after the last
-         * call), so a lost member costs no last call. The first round keeps
-         * its last call, for the agents of a starting job still on their way. */
-        int all_in = rec->nprev > 0 && (int64_t)n >= s->registered;
-        if ((int64_t)n >= r->cfg.max_nodes ||
-            ((int64_t)n >= r->cfg.min_nodes &&
-             (all_in || now >= r->fz_last_join + r->cfg.last_call_ms)))
-            rc = freeze(r, rec, mod, joined, n);
-        else if ((int64_t)n >= r->cfg.min_nodes)
-            r->last_call_at = r->fz_last_join + r->cfg.last_call_ms;
+        return STEP_SNAPSHOT;
     }
-    free(joined);
-    return rc;
+    if (r->join_round != rec->number || r->join_rev != own->create_revision) {
+        /* A join this driver did not see made (an answer lost): learn its
+         * revision, then read again with the join before it. */
+        r->join_round = rec->number;
+        r->join_rev = own->create_revision;
+        return STEP_SNAPSHOT;
+    }
+    if (s->pred && s->pred->create_revision >= own->create_revision) return RDZV_ERR_PROTOCOL;
+    if (!s->pred) {
+        /* No join before this one: the earliest live joiner freezes. Its
+         * first step as the freezer reads again with the newest join. */
+        if (s->asked_latest) return freezer_step(r, rec, mod, s);
+        r->fz_round = rec->number;
+        r->fz_count = -1;
+        return STEP_SNAPSHOT;
+    }
+    /* Not the freezer: watch the joiner just before this one. */
+    r->fz_round = 0;
+    rdzv_set_join_watch(r, s->pred->key, 0, s->revision + 1);
+    return RDZV_OK;
 }
 
-/* Returns RDZV_OK, an error, or STEP_AGAIN. */
+/* Returns RDZV_OK, an error, STEP_AGAIN or STEP_SNAPSHOT. */
 static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
 {
     if (strcmp(rec->job, "done") == 0) {
@@ -466,14 +574,16 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
 
 static rdzv_err reconcile(rdzv *r)
 {
+    rdzv_record rec;
+    memset(&rec, 0, sizeof(rec));
+    int64_t mod = 0;
+    int keep = 0; /* rec and mod hold the record the last step took */
     for (int attempt = 0; attempt < 100 && !r->terminal; attempt++) {
-        rdzv_record rec;
-        int64_t mod = 0;
-        int have = 0;
+        int have = keep;
         rdzv_err err = RDZV_OK;
-        if (attempt == 0 && rdzv_take_cached_round(r, &rec, &mod))
+        if (!keep && attempt == 0 && rdzv_take_cached_round(r, &rec, &mod))
             have = 1;
-        else
+        else if (!keep)
             err = rdzv_read_round(r, r->dc, &rec, &mod, &have);
         if (err == RDZV_ERR_PROTOCOL) {
             rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_PROTOCOL,
@@ -488,9 +598,12 @@ static rdzv_err reconcile(rdzv *r)
             continue;
         }
         int rc = step(r, &rec, mod);
+        keep = rc == STEP_SNAPSHOT;
+        if (keep) continue;
         rdzv_record_free(&rec);
         if (rc != STEP_AGAIN) return (rdzv_err)rc;
     }
+    if (keep) rdzv_record_free(&rec);
     return RDZV_OK;
 }
 

@@ -160,6 +160,10 @@ struct rdzv {
     int64_t backoff_ms;
     int terminal;
     int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
+    int64_t join_round, join_rev; /* this node's join: its round and create revision */
+    /* what the handle costs etcd (rdzv_get_counts): atomics, added to by
+     * every connection of the handle and the driver */
+    rdzv_counts counts;
     char join_target[RDZV_KEY_MAX + 2];
 };
 

@@ -88,6 +88,7 @@ rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64
     free(json);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
     *won = res.succeeded;
+    if (!res.succeeded) __atomic_fetch_add(&r->counts.moved, 1, __ATOMIC_RELAXED);
     etcd_txn_result_free(&res);
     return RDZV_OK;
 }

@@ -128,6 +128,7 @@ static void *watcher_main(void *arg)
             continue;
         }
         etcd_client_set_name(c, "watch");
+        etcd_client_count_into(c, &r->counts.etcd);
         if (!w->w) {
             etcd_watch *ew = NULL;
             etcd_err e = etcd_watch_open(c, w->key, w->prefix, next_rev, &ew);

@@ -1,12 +1,30 @@
-/* bench_rdzv: how long the rendezvous takes, next to what etcd itself costs.
+/* bench_rdzv: how long the rendezvous takes, what it costs etcd, next to
+ * what etcd itself costs.
  *
- *   bench_rdzv [N ...]      (default 8 64 256)
+ *   bench_rdzv [N ...]      (default 64 256 1024; at most 4096)
  *
  * Participants are light processes (rdzv_participant, one rdzv handle each)
  * against one private etcd on this machine. Figures:
  *   - form N: from the first participant started to the last one holding its
  *     rank (min = max = N). Baseline: N sequential puts by one client, the
  *     raw etcd round trips a join has to pay at least once per node.
+ *     Split into what the harness costs and what the protocol costs:
+ *     "spawn" is the bench forking N processes; "last open" is the last
+ *     participant through rdzv_open (process start, exec, connect, lease,
+ *     registration: on a machine with few cores, mostly process start);
+ *     "last open -> all" is the protocol's part once every node is there.
+ *     CPU seconds of the participants (all N together) and of etcd during
+ *     the form say which of them the machine was busy with.
+ *   - requests per participant (N = each size): every participant's etcd
+ *     requests by kind from its start until all N hold their ranks and have
+ *     taken their first step in the frozen round
+ *     (rdzv_get_counts through the participant's "counts" command: every
+ *     HTTP request of every connection of the handle, retries included;
+ *     a watch counts once per stream), total / N, the most any one
+ *     participant sent (the freezer), the driver's steps and its guards
+ *     that failed (moved) per participant, and the KiB of answers to its
+ *     unary calls (watch streams not included). The last line says whether the
+ *     requests per join grow with N.
  *   - kill: SIGKILL of one of 8 members to the last survivor holding its
  *     rank in the next round. Baseline: the lease TTL, the bound on noticing
  *     a silent death.
@@ -27,6 +45,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 
 #ifndef RDZV_PARTICIPANT
 #error "RDZV_PARTICIPANT must name the participant program"
@@ -34,6 +54,8 @@
 
 #define KILL_TTL 3
 #define LINE 8192
+#define MAX_N 4096
+#define MAX_SIZES 16
 
 static etcd_client *connect_etcd(const char *endpoint)
 {
@@ -110,7 +132,100 @@ static void row(const char *what, double ours, const char *base_name, double bas
            ours / base);
 }
 
-static int form(const char *endpoint, int n, double *secs, double *after_reg)
+/* What one form of N cost. */
+typedef struct form_result {
+    int n;
+    double secs;       /* first spawn -> last FROZEN */
+    double spawn;      /* the bench forking N processes */
+    double last_open;  /* first spawn -> last OPEN */
+    double after_open; /* last OPEN -> last FROZEN */
+    double cpu_procs;  /* CPU seconds of the participants */
+    double cpu_etcd;   /* CPU seconds of etcd during the form */
+    double base;       /* N sequential puts */
+    uint64_t kinds[ETCD_REQ_KINDS];
+    uint64_t total, most, steps, moved, bytes;
+    uint64_t inflight; /* requests sent and not answered yet, when counted */
+} form_result;
+
+/* CPU seconds (user + system) that process pid has used, or -1. */
+static double proc_cpu(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    unsigned long long ut = 0, st = 0;
+    /* after the command: state, then fields 4..13, then utime and stime */
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+        return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double children_cpu(void)
+{
+    struct rusage ru;
+    if (getrusage(RUSAGE_CHILDREN, &ru) != 0) return -1;
+    return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
+           ru.ru_stime.tv_usec / 1e6;
+}
+
+/* Adds every participant's COUNTS line to res; 0 when all answered. */
+static int collect_counts(tp_set *s, const int *ids, int n, form_result *res)
+{
+    char line[LINE], key[32];
+    for (int i = 0; i < n; i++)
+        if (tp_send(s, ids[i], "counts") != 0) return -1;
+    for (int i = 0; i < n; i++) {
+        if (tp_expect(s, ids[i], "COUNTS", 30000, line, sizeof(line)) != 0) return -1;
+        uint64_t total = (uint64_t)tp_ifield(line, "total");
+        res->total += total;
+        if (total > res->most) res->most = total;
+        for (int k = 0; k < ETCD_REQ_KINDS; k++) {
+            snprintf(key, sizeof(key), "%s", etcd_req_kind_name((etcd_req_kind)k));
+            res->kinds[k] += (uint64_t)tp_ifield(line, key);
+        }
+        res->steps += (uint64_t)tp_ifield(line, "steps");
+        res->moved += (uint64_t)tp_ifield(line, "moved");
+        res->bytes += (uint64_t)tp_ifield(line, "bytes");
+        res->inflight += (uint64_t)tp_ifield(line, "inflight");
+    }
+    return 0;
+}
+
+/* The counts once they have settled: every participant has taken its
+ * first step in the frozen round (its snapshot, its member watches), so
+ * that they do not depend on how far each one got when the last one froze.
+ * Collected every second until no request is in flight and the requests
+ * but keep-alives, the steps and the answer bytes stop changing (at most
+ * 60 s: then the last collection). */
+static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
+{
+    uint64_t last = UINT64_MAX;
+    for (int round = 0; round < 60; round++) {
+        struct timespec ts = {.tv_sec = 1, .tv_nsec = 0};
+        nanosleep(&ts, NULL);
+        form_result now;
+        memset(&now, 0, sizeof(now));
+        if (collect_counts(s, ids, n, &now) != 0) return -1;
+        /* requests count when sent, steps and bytes when answered */
+        uint64_t work = now.total - now.kinds[ETCD_REQ_KEEPALIVE] + now.steps + now.bytes;
+        memcpy(res->kinds, now.kinds, sizeof(now.kinds));
+        res->total = now.total;
+        res->most = now.most;
+        res->steps = now.steps;
+        res->moved = now.moved;
+        res->bytes = now.bytes;
+        if (work == last && now.inflight == 0) break;
+        last = work;
+    }
+    return 0;
+}
+
+static int form(const char *endpoint, pid_t etcd_pid, int n, form_result *res)
 {
     char job[32], opts[256], node[32];
     snprintf(job, sizeof(job), "form-%d", n);
@@ -118,25 +233,75 @@ static int form(const char *endpoint, int n, double *secs, double *after_reg)
              "--min %d --max %d --last-call-ms 60000 --ttl 30 "
              "--join-timeout-ms 300000 --etcd-timeout-ms 20000",
              n, n);
+    memset(res, 0, sizeof(*res));
+    res->n = n;
+    res->secs = res->spawn = res->last_open = res->after_open = -1;
     tp_set s;
     tp_init(&s, RDZV_PARTICIPANT, endpoint, job);
     int *ids = calloc((size_t)n, sizeof(int));
     if (!ids) return -1;
+    double cpu0 = children_cpu(), etcd0 = proc_cpu(etcd_pid);
     double t0 = mono_now_s();
     for (int i = 0; i < n; i++) {
         snprintf(node, sizeof(node), "n%03d", i);
         ids[i] = tp_spawn(&s, node, opts);
     }
+    res->spawn = mono_now_s() - t0;
     double treg = last_line(&s, ids, n, "OPEN", 300000);
     double t1 = last_line(&s, ids, n, "FROZEN", 300000);
-    *secs = t1 > 0 ? t1 - t0 : -1;
-    *after_reg = t1 > 0 && treg > 0 ? t1 - treg : -1;
-    int ok = t1 > 0 && tp_check_agreement(&s) == 0;
+    res->cpu_etcd = proc_cpu(etcd_pid) - etcd0;
+    if (t1 > 0) res->secs = t1 - t0;
+    if (treg > 0) res->last_open = treg - t0;
+    if (t1 > 0 && treg > 0) res->after_open = t1 - treg;
+    int ok = t1 > 0 && tp_check_agreement(&s) == 0 && settled_counts(&s, ids, n, res) == 0;
     for (int i = 0; i < n; i++)
         tp_send(&s, ids[i], "close");
     tp_free(&s);
+    res->cpu_procs = children_cpu() - cpu0;
     free(ids);
     return ok ? 0 : -1;
+}
+
+static void print_requests(const form_result *res, int nres)
+{
+    printf("\netcd requests per participant, from its start to all N holding their ranks "
+           "(and one step in the round)\n");
+    printf("| %5s | %7s | %6s", "N", "total/N", "most");
+    for (int k = 0; k < ETCD_REQ_KINDS; k++)
+        printf(" | %6.6s", etcd_req_kind_name((etcd_req_kind)k));
+    printf(" | %6s | %6s | %8s | %10s | %8s |\n", "steps", "moved", "KiB", "N puts", "ratio");
+    for (int i = 0; i < nres; i++) {
+        const form_result *f = &res[i];
+        if (f->total == 0) {
+            printf("| %5d | FAILED\n", f->n);
+            continue;
+        }
+        double per = (double)f->total / f->n;
+        printf("| %5d | %7.2f | %6llu", f->n, per, (unsigned long long)f->most);
+        for (int k = 0; k < ETCD_REQ_KINDS; k++)
+            printf(" | %6.2f", (double)f->kinds[k] / f->n);
+        printf(" | %6.2f | %6.2f | %8.1f | %8.3f s | %7.1fx |\n", (double)f->steps / f->n,
+               (double)f->moved / f->n, (double)f->bytes / f->n / 1024, f->base,
+               f->secs > 0 && f->base > 0 ? f->secs / f->base : 0);
+    }
+    /* grows: the largest N pays more than 10% per join over the smallest.
+     * Keep-alives are left out: they follow the time the form took (one
+     * per TTL/3), not the protocol. */
+    const form_result *lo = NULL, *hi = NULL;
+    for (int i = 0; i < nres; i++) {
+        if (res[i].total == 0) continue;
+        if (!lo || res[i].n < lo->n) lo = &res[i];
+        if (!hi || res[i].n > hi->n) hi = &res[i];
+    }
+    if (lo && hi && lo != hi) {
+        double a = (double)(lo->total - lo->kinds[ETCD_REQ_KEEPALIVE]) / lo->n;
+        double b = (double)(hi->total - hi->kinds[ETCD_REQ_KEEPALIVE]) / hi->n;
+        printf("requests per join (keep-alives left out) %s with N: %.2f at N=%d, %.2f at "
+               "N=%d; the busiest participant sent %llu and %llu; KiB per join %.1f and %.1f\n",
+               b > a * 1.1 ? "GROW" : "do not grow", a, lo->n, b, hi->n,
+               (unsigned long long)lo->most, (unsigned long long)hi->most,
+               (double)lo->bytes / lo->n / 1024, (double)hi->bytes / hi->n / 1024);
+    }
 }
 
 /* 8 members; one dies (kill) or leaves; seconds to the survivors' round. */
@@ -178,10 +343,10 @@ static int change(const char *endpoint, int do_kill, double *noticed, double *se
 
 int main(int argc, char **argv)
 {
-    int sizes[16] = {8, 64, 256}, nsizes = 3;
+    int sizes[MAX_SIZES] = {64, 256, 1024}, nsizes = 3;
     if (argc > 1) {
         nsizes = 0;
-        for (int i = 1; i < argc && nsizes < 16; i++)
+        for (int i = 1; i < argc && nsizes < MAX_SIZES; i++)
             sizes[nsizes++] = atoi(argv[i]);
     }
     /* two pipes per participant */
@@ -198,26 +363,40 @@ int main(int argc, char **argv)
         return 1;
     }
     int failed = 0;
+    form_result res[MAX_SIZES];
+    int nres = 0;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    double load[3] = {0, 0, 0};
+    getloadavg(load, 3);
     printf("rendezvous (participants are processes, one rdzv handle each; one etcd; "
-           "this machine)\n");
+           "this machine: %ld cores, load average %.2f at start)\n",
+           cores, load[0]);
     printf("| %-30s | %10s | %-34s | %10s | %7s |\n", "figure", "ours", "baseline", "baseline",
            "ratio");
     printf("|--------------------------------|------------|------------------------------------|"
            "------------|---------|\n");
     for (int i = 0; i < nsizes; i++) {
         int n = sizes[i];
-        if (n < 1 || n > 256) continue;
-        double secs = -1, after_reg = -1;
-        failed |= form(e.endpoint, n, &secs, &after_reg) != 0;
-        double base = baseline_puts(c, n);
+        if (n < 1 || n > MAX_N) continue;
+        form_result *f = &res[nres++];
+        failed |= form(e.endpoint, e.pid, n, f) != 0;
+        f->base = baseline_puts(c, n);
         char what[64], bname[64];
         snprintf(what, sizeof(what), "form, N=%d", n);
         snprintf(bname, sizeof(bname), "%d sequential etcd puts", n);
-        row(what, secs, bname, base);
-        snprintf(what, sizeof(what), "  last register -> all, N=%d", n);
-        row(what, after_reg, bname, base);
+        row(what, f->secs, bname, f->base);
+        snprintf(what, sizeof(what), "  spawn (bench), N=%d", n);
+        row(what, f->spawn, bname, f->base);
+        snprintf(what, sizeof(what), "  last open, N=%d", n);
+        row(what, f->last_open, bname, f->base);
+        snprintf(what, sizeof(what), "  last open -> all, N=%d", n);
+        row(what, f->after_open, bname, f->base);
+        printf("|   CPU during form, N=%-9d | participants %.2f s, etcd %.2f s\n", n, f->cpu_procs,
+               f->cpu_etcd);
         fflush(stdout);
     }
+    print_requests(res, nres);
+    printf("\n");
     double noticed = -1, secs = -1;
     double notify = baseline_notify(c, e.endpoint);
     failed |= change(e.endpoint, 1, &noticed, &secs) != 0;
@@ -230,6 +409,8 @@ int main(int argc, char **argv)
     row("leave -> all noticed, N=8", noticed, "put -> watch event (median of 5)", notify);
     row("leave -> next round, N=8", secs, "put -> watch event (median of 5)", notify);
     printf("(next round: survivors 7 < max 8, so it freezes after last call = 100 ms)\n");
+    getloadavg(load, 3);
+    printf("load average at the end: %.2f %.2f %.2f\n", load[0], load[1], load[2]);
     etcd_client_free(c);
     test_etcd_stop(&e);
     return failed ? 1 : 0;

@@ -85,6 +85,38 @@ void etcd_set_timeout(etcd_client *c, int timeout_ms);
  * have been applied (failpoint)"). NULL or "" means "client", the default. */
 void etcd_client_set_name(etcd_client *c, const char *name);
 
+/* Requests sent, by kind: every HTTP request a client (and the watches
+ * opened on it) sends, retries included, so the figure is what etcd
+ * served. A watch counts once per stream opened (a resumed watch again). */
+typedef enum {
+    ETCD_REQ_RANGE,
+    ETCD_REQ_PUT,
+    ETCD_REQ_DELETE,
+    ETCD_REQ_TXN,
+    ETCD_REQ_LEASE_GRANT,
+    ETCD_REQ_KEEPALIVE,
+    ETCD_REQ_LEASE_REVOKE,
+    ETCD_REQ_WATCH,
+    ETCD_REQ_OTHER, /* auth, compaction, member list */
+    ETCD_REQ_KINDS,
+} etcd_req_kind;
+
+typedef struct etcd_counts {
+    uint64_t n[ETCD_REQ_KINDS];
+    uint64_t answer_bytes; /* of the answers to unary calls (not watch streams) */
+    uint64_t finished;     /* unary requests that got an answer or failed: the others
+                            * but watches are still in flight */
+} etcd_counts;
+
+const char *etcd_req_kind_name(etcd_req_kind kind);
+/* Adds every later request of c, and of the watches opened on it, to
+ * *counts (atomically: clients of several threads may share one); NULL
+ * stops counting. counts must outlive c and its watches. */
+void etcd_client_count_into(etcd_client *c, etcd_counts *counts);
+/* A consistent-enough copy of counts that other threads are adding to. */
+void etcd_counts_read(const etcd_counts *counts, etcd_counts *out);
+uint64_t etcd_counts_total(const etcd_counts *counts);
+
 typedef struct etcd_kv {
     char *key;   /* NUL-terminated; keys here are text */
     char *value; /* NUL-terminated copy too, value_len excludes the NUL */
@@ -146,12 +178,21 @@ typedef struct etcd_cmp {
 
 typedef enum { ETCD_OP_RANGE, ETCD_OP_PUT, ETCD_OP_DELETE } etcd_op_type;
 
+/* The order of a RANGE op's keys: by key (the default), or by
+ * create_revision. */
+typedef enum { ETCD_SORT_KEY, ETCD_SORT_CREATE_ASCEND, ETCD_SORT_CREATE_DESCEND } etcd_sort;
+
 typedef struct etcd_op {
     etcd_op_type type;
     const char *key;
-    int prefix;        /* RANGE and DELETE: whole prefix */
-    int count_only;    /* RANGE: only the count of matching keys (no kvs) */
-    const void *value; /* PUT */
+    int prefix;                  /* RANGE and DELETE: whole prefix */
+    int count_only;              /* RANGE: only the count of matching keys (no kvs) */
+    int keys_only;               /* RANGE: kvs without their values */
+    int64_t limit;               /* RANGE: at most this many keys after sorting (0: all) */
+    etcd_sort sort;              /* RANGE */
+    int64_t max_create_revision; /* RANGE: only keys created at or before it (0: any); the
+                                  * count still counts every key of the range */
+    const void *value;           /* PUT */
     size_t value_len;
     int64_t lease; /* PUT */
 } etcd_op;

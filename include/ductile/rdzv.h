@@ -19,6 +19,8 @@
 #ifndef DUCTILE_RDZV_H
 #define DUCTILE_RDZV_H
 
+#include "ductile/etcd.h"
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -260,6 +262,18 @@ double rdzv_seconds_in_rendezvous(const rdzv *r);
  * connections to their liveness probes it holds (docs/design.md, "A pod
  * lost, seen by its peers' agents"). */
 int rdzv_watching(rdzv *r);
+
+/* What this handle has cost etcd so far (docs/design.md, "Requests"): the
+ * requests of all its connections (driver, caller, reports, keep-alive,
+ * watches) by kind, the protocol steps its driver took (each reads one
+ * snapshot) and how many of them found the round record moved under them
+ * (a guard that failed: read again). */
+typedef struct rdzv_counts {
+    etcd_counts etcd;
+    uint64_t steps;
+    uint64_t moved;
+} rdzv_counts;
+void rdzv_get_counts(rdzv *r, rdzv_counts *out);
 
 /* ---- job status (for `ductile-agent status`) ---- */
 

@@ -9,6 +9,7 @@
  * Every event becomes one line on stdout ("WORD key=value ..."), flushed at
  * once, so a test can read what each participant believes. Commands on
  * stdin, one per line: watching (answers WATCHING n=K: rdzv_watching),
+ * counts (answers COUNTS with the etcd requests so far, rdzv_get_counts),
  * leave, fail REASON (a first-hand failure), lost REASON (a lost peer), finish, close. EOF on stdin
  * closes the handle without leaving (peers then see the lease expire). --failpoints sets
  * DUCTILE_FAILPOINTS for this process (failpoint.h).
@@ -96,6 +97,21 @@ static int print_event(const char *node, rdzv_event *ev, int *frozen_count)
         return 1;
     }
     return 0;
+}
+
+/* COUNTS node=N total=T range=.. put=.. ... steps=S moved=M: what this
+ * handle has cost etcd so far (rdzv_get_counts). */
+static void print_counts(const char *node, rdzv *r)
+{
+    rdzv_counts c;
+    rdzv_get_counts(r, &c);
+    printf("COUNTS node=%s total=%llu", node, (unsigned long long)etcd_counts_total(&c.etcd));
+    for (int k = 0; k < ETCD_REQ_KINDS; k++)
+        printf(" %s=%llu", etcd_req_kind_name((etcd_req_kind)k), (unsigned long long)c.etcd.n[k]);
+    uint64_t unary = etcd_counts_total(&c.etcd) - c.etcd.n[ETCD_REQ_WATCH];
+    printf(" bytes=%llu steps=%llu moved=%llu inflight=%llu\n",
+           (unsigned long long)c.etcd.answer_bytes, (unsigned long long)c.steps,
+           (unsigned long long)c.moved, (unsigned long long)(unary - c.etcd.finished));
 }
 
 int main(int argc, char **argv)
@@ -192,6 +208,8 @@ int main(int argc, char **argv)
             *nl = '\0';
             if (!strcmp(line, "watching")) {
                 printf("WATCHING node=%s n=%d\n", cfg.node_id, rdzv_watching(r));
+            } else if (!strcmp(line, "counts")) {
+                print_counts(cfg.node_id, r);
             } else if (!strcmp(line, "leave")) {
                 err = rdzv_leave(r);
                 printf("LEFT node=%s rc=%s\n", cfg.node_id, err_name(err));

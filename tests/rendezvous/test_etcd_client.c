@@ -185,6 +185,70 @@ static void test_txn(etcd_client *c)
     CHECK_OR_EXIT(strstr(etcd_last_error(c), "duplicate key"));
 }
 
+/* A txn's ranges sorted by create revision, limited, filtered by
+ * max_create_revision (the rendezvous's predecessor and freezer reads),
+ * the count of the whole range beside them, and keys without values;
+ * every request counted. */
+static void test_range_options(etcd_client *c)
+{
+    etcd_counts counts;
+    memset(&counts, 0, sizeof(counts));
+    etcd_client_count_into(c, &counts);
+    int64_t rev[3];
+    /* created in the order b, c, a: key order is not create order */
+    CHECK_OK(c, etcd_put(c, "/t/sort/b", "1", 1, 0, &rev[0]));
+    CHECK_OK(c, etcd_put(c, "/t/sort/c", "2", 1, 0, &rev[1]));
+    CHECK_OK(c, etcd_put(c, "/t/sort/a", "3", 1, 0, &rev[2]));
+    etcd_op ops[] = {
+        {.type = ETCD_OP_RANGE,
+         .key = "/t/sort/",
+         .prefix = 1,
+         .limit = 1,
+         .sort = ETCD_SORT_CREATE_ASCEND},
+        {.type = ETCD_OP_RANGE,
+         .key = "/t/sort/",
+         .prefix = 1,
+         .limit = 1,
+         .sort = ETCD_SORT_CREATE_DESCEND},
+        {.type = ETCD_OP_RANGE,
+         .key = "/t/sort/",
+         .prefix = 1,
+         .limit = 1,
+         .sort = ETCD_SORT_CREATE_DESCEND,
+         .max_create_revision = rev[2] - 1},
+        {.type = ETCD_OP_RANGE,
+         .key = "/t/sort/",
+         .prefix = 1,
+         .sort = ETCD_SORT_CREATE_DESCEND,
+         .max_create_revision = rev[0] - 1},
+        {.type = ETCD_OP_RANGE, .key = "/t/sort/", .prefix = 1, .count_only = 1},
+        {.type = ETCD_OP_RANGE, .key = "/t/sort/", .prefix = 1, .keys_only = 1},
+    };
+    etcd_txn_result t;
+    CHECK_OK(c, etcd_txn(c, NULL, 0, ops, 6, NULL, 0, &t));
+    CHECK_OR_EXIT(t.succeeded && t.n == 6);
+    CHECK_OR_EXIT(t.ranges[5].n == 3 && strcmp(t.ranges[5].kvs[0].key, "/t/sort/a") == 0);
+    CHECK_OR_EXIT(t.ranges[5].kvs[0].value_len == 0 &&
+                  t.ranges[5].kvs[0].create_revision == rev[2]);
+    CHECK_OR_EXIT(t.ranges[0].n == 1 && strcmp(t.ranges[0].kvs[0].key, "/t/sort/b") == 0);
+    CHECK_OR_EXIT(t.ranges[0].count == 3 && t.ranges[0].more);
+    CHECK_OR_EXIT(t.ranges[1].n == 1 && strcmp(t.ranges[1].kvs[0].key, "/t/sort/a") == 0);
+    CHECK_OR_EXIT(t.ranges[2].n == 1 && strcmp(t.ranges[2].kvs[0].key, "/t/sort/c") == 0);
+    CHECK_OR_EXIT(t.ranges[3].n == 0);
+    CHECK_OR_EXIT(t.ranges[4].n == 0 && t.ranges[4].count == 3);
+    etcd_txn_result_free(&t);
+    ops[0].limit = -1;
+    CHECK_ERR(c, ETCD_ERR_ARG, etcd_txn(c, NULL, 0, ops, 1, NULL, 0, NULL));
+    CHECK_OK(c, etcd_delete(c, "/t/sort/", 1, NULL));
+    etcd_counts got;
+    etcd_counts_read(&counts, &got);
+    CHECK_OR_EXIT(got.n[ETCD_REQ_PUT] == 3 && got.n[ETCD_REQ_TXN] == 1 &&
+                  got.n[ETCD_REQ_DELETE] == 1 && etcd_counts_total(&got) == 5);
+    CHECK_OR_EXIT(got.answer_bytes > 0 && got.finished == 5);
+    CHECK_OR_EXIT(strcmp(etcd_req_kind_name(ETCD_REQ_KEEPALIVE), "keepalive") == 0);
+    etcd_client_count_into(c, NULL);
+}
+
 static void test_lease(etcd_client *c)
 {
     int64_t id, ttl;
@@ -298,6 +362,7 @@ int main(void)
     test_prefix_end_ff(c);
     test_large_values(c);
     test_txn(c);
+    test_range_options(c);
     test_lease(c);
     test_watch(c);
     etcd_client_free(c);
