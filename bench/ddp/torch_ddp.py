@@ -61,6 +61,17 @@ def mlp(hidden):
     return nn.Sequential(*layers)
 
 
+def batches(perm, rank, world, b):
+    """Rank r's slice of each global batch of perm, from its start again
+    when a whole global batch no longer fits."""
+    pos = 0
+    while True:
+        if pos + world * b > len(perm):
+            pos = 0
+        yield perm[pos + rank * b: pos + (rank + 1) * b]
+        pos += world * b
+
+
 def helper_worker(rank, args, port, out):
     """The same steps through ductile.torch, with a stand-in agent."""
     import socket
@@ -88,15 +99,12 @@ def helper_worker(rank, args, port, out):
     b = args.batch
 
     def train(state):
-        pos, t0 = 0, None
+        t0, it = None, batches(perm, rank, world, b)
         for step in range(WARMUP + args.steps):
             if step == WARMUP:
                 dist.barrier()
                 t0 = time.perf_counter()
-            if pos + world * b > len(x):
-                pos = 0
-            ids = perm[pos + rank * b: pos + (rank + 1) * b]
-            pos += world * b
+            ids = next(it)
             opt.zero_grad(set_to_none=False)
             loss = loss_fn(state.ddp(x[ids]), y[ids])
             loss.backward()
@@ -131,17 +139,15 @@ def worker(rank, args, port, out):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     perm = torch.from_numpy(np.random.default_rng(1).permutation(len(x)))
-    b, pos = args.batch, 0
+    b = args.batch
     params = list(model.parameters())
+    it = batches(perm, rank, world, b)
     for step in range(WARMUP + args.steps):
         if step == WARMUP:
             if world > 1:
                 dist.barrier()
             t0 = time.perf_counter()
-        if pos + world * b > len(x):
-            pos = 0
-        ids = perm[pos + rank * b: pos + (rank + 1) * b]
-        pos += world * b
+        ids = next(it)
         opt.zero_grad(set_to_none=False)
         loss = loss_fn(model(x[ids]), y[ids])
         loss.backward()
