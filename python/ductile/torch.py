@@ -11,7 +11,7 @@ rank, newcomers included, re-wraps DDP and calls the training function
 again. The one idea that makes it exact: the state changes only in
 `State.commit()`, which ends a step locally before any collective of the
 next, so a collective that fails leaves every process with the consistent
-state of some step, and the newest one wins; a one-integer vote after each
+state of some step, and the newest one wins; a one-integer vote at each
 commit makes every rank end a round at the same step.
 
     state = ductile.torch.State(model=model, optimizer=opt,
@@ -300,6 +300,7 @@ class _Ctx:
         self.rnd = None
         self.store = None
         self.device = None  # the vote's, once the round's group stands
+        self.vote = None    # (work, tensor): the vote sent at the last commit
         self.term = False
 
     def boundary(self, vote=False):
@@ -307,18 +308,38 @@ class _Ctx:
         commit, once the group stands) every rank ends at the same step:
         each says whether it heard of the end (an abort, a newer round,
         stop), and the group's maximum decides, so no rank goes on into a
-        step its peers have left."""
+        step its peers have left. The vote is sent at one commit and read
+        at the next (it runs beside the step's compute, not after it): a
+        round ends one step after the first rank heard, on every rank."""
         ch = self.ch
         stop = self.term or ch.stopping
-        flag = int(stop or (self.rnd is not None and ch.ended(self.rnd.number) is not None))
-        if vote and self.device is not None:
-            t = torch.tensor([flag], dtype=torch.int32, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
-        if stop:
-            raise _Stop()
-        if flag:
+        heard = int(stop or (self.rnd is not None and ch.ended(self.rnd.number) is not None))
+        if not vote or self.device is None:
+            if stop:
+                raise _Stop()
+            if heard:
+                raise _RoundEnded()
+            return
+        decided = 0
+        if self.vote is not None:
+            work, t = self.vote
+            self.vote = None
+            work.wait()
+            decided = int(t.item())
+        if decided:
+            if stop:
+                raise _Stop()
             raise _RoundEnded()
+        t = torch.tensor([heard], dtype=torch.int32, device=self.device)
+        self.vote = (dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), t)
+
+    def drop_vote(self, finished):
+        """The vote in flight at the round's end: waited for when training
+        finished (every rank sent it), dropped after a failure (its group
+        is destroyed next)."""
+        v, self.vote = self.vote, None
+        if v is not None and finished:
+            v[0].wait()
 
     def on_abort(self, number, graceful):
         # NCCL collectives do not fail when a peer dies: abort them now
@@ -398,7 +419,8 @@ def _build(state, ctx, rnd):
          (rnd.number, rnd.rank, rnd.world_size, step, src, time.monotonic() - t0))
 
 
-def _teardown(state, ctx):
+def _teardown(state, ctx, finished=False):
+    ctx.drop_vote(finished)
     state.ddp = None
     ctx.device = None
     if dist.is_initialized():
@@ -500,7 +522,7 @@ def run(fn, state, backend=None, timeout=30.0):
                 ch.set_phase("compute")
                 ctx.boundary()
                 result = fn(state)
-                _teardown(state, ctx)
+                _teardown(state, ctx, finished=True)
                 return result
             except _Stop:
                 break
