@@ -146,17 +146,25 @@ int th_sh(const char *fmt, ...)
     return system(cmd);
 }
 
-int th_free_port(void)
+int th_dead_port(int *fd)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
+    *fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (*fd < 0) return -1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t len = sizeof(a);
-    int port = -1;
-    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    close(fd);
+    if (bind(*fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+        getsockname(*fd, (struct sockaddr *)&a, &len) == 0)
+        return ntohs(a.sin_port);
+    close(*fd);
+    *fd = -1;
+    return -1;
+}
+
+int th_free_port(void)
+{
+    int fd;
+    int port = th_dead_port(&fd);
+    if (fd >= 0) close(fd);
     return port;
 }
 

@@ -48,6 +48,10 @@ int th_exit_code(int status);
 int th_sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* A loopback port that was free a moment ago. */
 int th_free_port(void);
+/* A loopback port where nothing listens for as long as *fd stays open (it
+ * is bound, never listening: a connection is refused, and no other process
+ * can take the port meanwhile, as one can a th_free_port()). -1 on error. */
+int th_dead_port(int *fd);
 /* Sleeps ms milliseconds, through signals. */
 void th_sleep_ms(int ms);
 

@@ -204,7 +204,9 @@ static void test_lease_expiry(etcd_client *c)
 static void test_failover(void)
 {
     char eps[256];
-    int dead = th_free_port();
+    int dead_fd;
+    int dead = th_dead_port(&dead_fd);
+    CHECK_OR_EXIT(dead > 0);
     snprintf(eps, sizeof(eps), "http://127.0.0.1:%d, %s", dead, srv.endpoint);
     etcd_client *c = test_client(eps, 3000);
     int64_t rev;
@@ -222,13 +224,16 @@ static void test_failover(void)
     CHECK_OR_EXIT(test_watch_one_rev(w, 5000) == rev);
     etcd_watch_close(w);
     etcd_client_free(c);
+    close(dead_fd);
 }
 
 static void test_down_at_start(void)
 {
     char eps[128];
-    snprintf(eps, sizeof(eps), "http://127.0.0.1:%d,http://127.0.0.1:%d", th_free_port(),
-             th_free_port());
+    int fd[2];
+    int p0 = th_dead_port(&fd[0]), p1 = th_dead_port(&fd[1]);
+    CHECK_OR_EXIT(p0 > 0 && p1 > 0);
+    snprintf(eps, sizeof(eps), "http://127.0.0.1:%d,http://127.0.0.1:%d", p0, p1);
     etcd_client *c = test_client(eps, 800);
     int64_t t0 = mono_now_ms();
     CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_put(c, "/k", "v", 1, 0, NULL));
@@ -248,6 +253,8 @@ static void test_down_at_start(void)
                   strstr(etcd_last_error(c), "Couldn't connect") ||
                   strstr(etcd_last_error(c), "refused"));
     etcd_client_free(c);
+    close(fd[0]);
+    close(fd[1]);
 }
 
 int main(void)

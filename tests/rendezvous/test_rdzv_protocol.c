@@ -685,13 +685,17 @@ static int sc_errors(tp_set *s)
     /* etcd not there at all: a clear error within the deadline */
     tp_set down;
     char ep[64];
-    snprintf(ep, sizeof(ep), "http://127.0.0.1:%d", th_free_port());
+    int dead_fd;
+    int dead = th_dead_port(&dead_fd);
+    CHECK_OR_RETURN(dead > 0, "no port");
+    snprintf(ep, sizeof(ep), "http://127.0.0.1:%d", dead);
     tp_init(&down, s->exe, ep, "down");
     double t0 = mono_now_s();
     int d = tp_spawn(&down, "x", "--etcd-timeout-ms 2000");
     int got = tp_expect(&down, d, "OPEN_ERR", 20000, line, sizeof(line));
     double dt = mono_now_s() - t0;
     tp_free(&down);
+    close(dead_fd);
     CHECK_OR_RETURN(got == 0, "no error with etcd down");
     tp_field(line, "err", err, sizeof(err));
     CHECK_OR_RETURN(strcmp(err, "etcd") == 0 && strstr(line, "127.0.0.1"), "%s", line);
