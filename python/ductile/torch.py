@@ -301,7 +301,6 @@ class _Ctx:
         self.store = None
         self.device = None  # the vote's, once the round's group stands
         self.vote = None    # (work, tensor): the vote sent at the last commit
-        self.term = False
 
     def boundary(self, vote=False):
         """Ends the round here when the agent said so. With vote (at a
@@ -312,7 +311,7 @@ class _Ctx:
         at the next (it runs beside the step's compute, not after it): a
         round ends one step after the first rank heard, on every rank."""
         ch = self.ch
-        stop = self.term or ch.stopping
+        stop = ch.stopping  # `stop`, or SIGTERM (run's handler)
         heard = int(stop or (self.rnd is not None and ch.ended(self.rnd.number) is not None))
         if not vote or self.device is None:
             if stop:
@@ -352,7 +351,7 @@ class _Ctx:
                 _say("cannot abort the NCCL group of round %d: %s" % (number, control.one_line(e)))
 
 
-def _device(backend, state):
+def _device(backend):
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -412,9 +411,9 @@ def _build(state, ctx, rnd):
     dist.init_process_group(ctx.backend, store=dist.PrefixStore("pg/", ctx.store),
                             rank=rnd.rank, world_size=rnd.world_size, timeout=ctx.timeout, **kw)
     state._place(rnd)
-    src, step = state._sync(rnd, _device(ctx.backend, state))
+    ctx.device = _device(ctx.backend)
+    src, step = state._sync(rnd, ctx.device)
     _wrap(state, ctx)
-    ctx.device = _device(ctx.backend, state)
     _say("round %d: rank %d of %d, state of step %d from rank %d (%.2f s)" %
          (rnd.number, rnd.rank, rnd.world_size, step, src, time.monotonic() - t0))
 
@@ -455,7 +454,7 @@ def _plain(fn, state, backend, timeout):
     ctx.rnd = rnd
     state._ctx = ctx
     state._place(rnd)
-    state._sync(rnd, _device(backend, state))
+    state._sync(rnd, _device(backend))
     _wrap(state, ctx)
     try:
         return fn(state)
@@ -473,7 +472,7 @@ def _next_round(ctx, after):
         if ch.wait(lambda: ch.stopping or (ch.round is not None and ch.round.number > after),
                    60.0):
             return None if ch.stopping else ch.round
-        if ch.closed or ctx.term:
+        if ch.closed:
             return None
 
 
@@ -508,7 +507,6 @@ def run(fn, state, backend=None, timeout=30.0):
     ch.on_abort = ctx.on_abort
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         def on_term(signum, frame):
-            ctx.term = True
             ch.request_stop()
         signal.signal(signal.SIGTERM, on_term)
     if rnd is None:
