@@ -38,8 +38,13 @@
 
 typedef struct snapshot {
     etcd_txn_result txn;
-    etcd_range_result *nodes, *waiting, *left; /* frozen round (nodes: this node's key only
-                                                * in an open round) */
+    const etcd_kv *mine; /* this node's registration (keys only in a frozen round) */
+    /* frozen round: the ring's next members (rdzv_ring_next), by index in the
+     * record, with their registrations (keys only) and leave markers */
+    int nnext;
+    int next[RDZV_RING_PEERS];
+    const etcd_kv *next_reg[RDZV_RING_PEERS], *next_left[RDZV_RING_PEERS];
+    etcd_range_result *waiting;
     /* open round: single keys and counts, never the whole list of joins */
     const etcd_kv *own;    /* this node's join, or NULL */
     const etcd_kv *pred;   /* the join just before this node's, NULL when it is the
@@ -52,21 +57,6 @@ typedef struct snapshot {
     int64_t revision;
 } snapshot;
 
-static const etcd_kv *find_kv(const etcd_range_result *rr, const char *key)
-{
-    size_t lo = 0, hi = rr->n;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        int c = strcmp(rr->kvs[mid].key, key);
-        if (c == 0) return &rr->kvs[mid];
-        if (c < 0)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return NULL;
-}
-
 static const char *key_suffix(const char *key)
 {
     const char *s = strrchr(key, '/');
@@ -78,9 +68,21 @@ static const etcd_kv *first_kv(const etcd_range_result *rr)
     return rr->n ? &rr->kvs[0] : NULL;
 }
 
+/* This node's index in a frozen record, -1 when it is not a member: listed
+ * under an older lease is not this node but what it was before it lost its
+ * lease, a lost member like any other. */
+static int member_me(const rdzv *r, const rdzv_record *rec)
+{
+    int me = rdzv_record_member_index(rec, r->node);
+    return me >= 0 && rec->members[me].lease == r->lease ? me : -1;
+}
+
 /* The snapshot a step needs, read in one txn guarded by the round record's
- * mod_revision. For a frozen round: the node keys (without their values),
- * waiting keys and leave markers. For an open round only single keys and
+ * mod_revision. For a frozen round: this node's registration, and of the
+ * ring's next members after it (rdzv_ring_next; a node not in the round:
+ * the first members) each registration (keys only) and leave marker, and
+ * the waiting keys; never every registration ("Rounds", End). For an open
+ * round only single keys and
  * counts, whatever N: this node's registration and join, the counts of
  * joins and of registered nodes, and once this node has joined the join
  * just before its own (sorted by create revision in etcd, limit 1, with
@@ -92,8 +94,9 @@ static const etcd_kv *first_kv(const etcd_range_result *rr)
  * list, once, when it freezes (read_joins). */
 static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snapshot *s, int *moved)
 {
-    char round[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX], left[RDZV_KEY_MAX],
-        own[RDZV_KEY_MAX], all[RDZV_KEY_MAX], mine[RDZV_KEY_MAX];
+    char round[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX], own[RDZV_KEY_MAX],
+        all[RDZV_KEY_MAX], mine[RDZV_KEY_MAX], reg[RDZV_RING_PEERS][RDZV_KEY_MAX],
+        left[RDZV_RING_PEERS][RDZV_KEY_MAX];
     long long number = (long long)rec->number;
     rdzv_key(round, sizeof(round), r->cfg.job, "round");
     rdzv_key(all, sizeof(all), r->cfg.job, "nodes/");
@@ -101,16 +104,23 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
     rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/");
     rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", number);
     rdzv_key(own, sizeof(own), r->cfg.job, "rounds/%lld/joined/%s", number, r->node);
-    rdzv_key(left, sizeof(left), r->cfg.job, "rounds/%lld/left/", number);
     etcd_cmp cmp = {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod};
-    etcd_op ops[6];
+    enum { FROZEN_OPS = 2 + 2 * RDZV_RING_PEERS, OPEN_OPS = 6 };
+    etcd_op ops[FROZEN_OPS > OPEN_OPS ? FROZEN_OPS : OPEN_OPS];
     size_t nops = 0;
     memset(s, 0, sizeof(*s));
     if (rec->frozen) {
         /* a registration's key and lease are what tell a member lost */
-        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = all, .prefix = 1, .keys_only = 1};
+        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = mine, .keys_only = 1};
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = waiting, .prefix = 1};
-        ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = left, .prefix = 1};
+        s->nnext = rdzv_ring_next(member_me(r, rec), rec->nmembers, s->next);
+        for (int i = 0; i < s->nnext; i++) {
+            const char *node = rec->members[s->next[i]].node;
+            rdzv_key(reg[i], sizeof(reg[i]), r->cfg.job, "nodes/%s", node);
+            rdzv_key(left[i], sizeof(left[i]), r->cfg.job, "rounds/%lld/left/%s", number, node);
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = reg[i], .keys_only = 1};
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = left[i], .keys_only = 1};
+        }
     } else {
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = mine};
         ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = own};
@@ -141,10 +151,13 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
         return RDZV_OK;
     }
     if (s->txn.n != nops) return RDZV_ERR_PROTOCOL;
-    s->nodes = &s->txn.ranges[0];
+    s->mine = first_kv(&s->txn.ranges[0]);
     if (rec->frozen) {
         s->waiting = &s->txn.ranges[1];
-        s->left = &s->txn.ranges[2];
+        for (int i = 0; i < s->nnext; i++) {
+            s->next_reg[i] = first_kv(&s->txn.ranges[2 + 2 * i]);
+            s->next_left[i] = first_kv(&s->txn.ranges[3 + 2 * i]);
+        }
     } else {
         s->own = first_kv(&s->txn.ranges[1]);
         s->joined = s->txn.ranges[2].count;
@@ -273,10 +286,7 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
     char key[RDZV_KEY_MAX];
     rdzv_set_join_watch(r, NULL, 0, 0);
     rdzv_start_member_watches(r, s->revision + 1);
-    int me = rdzv_record_member_index(rec, r->node);
-    /* Listed under an older lease: that was this node before it lost its
-     * lease, and is a lost member like any other. */
-    if (me >= 0 && rec->members[me].lease != r->lease) me = -1;
+    int me = member_me(r, rec);
     if (me < 0 && !r->waiting_written) {
         /* Not in this round: say so, for whoever sees that there is room. */
         rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
@@ -289,17 +299,15 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
         etcd_delete(r->dc, key, 0, NULL);
         r->waiting_written = 0;
     }
-    /* Does the round end? A member gone or left, or a waiting node and
-     * room. Spares check too: if every member died, only they can tell. */
-    for (int i = 0; i < rec->nmembers; i++) {
-        const rdzv_rec_member *m = &rec->members[i];
-        if (i == me) continue;
-        rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/left/%s", (long long)rec->number,
-                 m->node);
-        if (find_kv(s->left, key))
+    /* Does the round end? The next members around the ring gone or left
+     * (whoever is gone is seen by the nearest live member before it; a
+     * node not in the round checks the first members: if every member
+     * died, only it can tell), or a waiting node and room. */
+    for (int i = 0; i < s->nnext; i++) {
+        const rdzv_rec_member *m = &rec->members[s->next[i]];
+        if (s->next_left[i])
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LEFT, m->node, "node %s left", m->node);
-        rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", m->node);
-        const etcd_kv *kv = find_kv(s->nodes, key);
+        const etcd_kv *kv = s->next_reg[i];
         if (!kv)
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LOST, m->node,
                              "node %s lost (its lease ended or was revoked)", m->node);
@@ -546,9 +554,7 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
         etcd_txn_result_free(&s.txn);
         return err != RDZV_OK ? (int)err : STEP_AGAIN;
     }
-    char key[RDZV_KEY_MAX];
-    rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", r->node);
-    const etcd_kv *mine = find_kv(s.nodes, key);
+    const etcd_kv *mine = s.mine;
     int rc;
     if (!mine || mine->lease != r->lease) {
         /* Taken over: an agent with this node id found this one silent

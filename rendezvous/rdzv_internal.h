@@ -73,6 +73,13 @@ uint64_t rdzv_record_members_hash(const rdzv_record *rec);
 /* Deep copy of the prev / member order used for ranks of the next round. */
 rdzv_err rdzv_record_copy_order(const rdzv_record *from, rdzv_record *to);
 int rdzv_record_member_index(const rdzv_record *rec, const char *node);
+/* The ring of a frozen round, in rank order: each member is watched by the
+ * RDZV_RING_PEERS members before it (the sentinel holds their probes, the
+ * driver checks their registrations). Fills out with the ranks after me
+ * (me < 0, a node not in the round: ranks 0, 1, ...) among n members, never
+ * me itself; returns how many. */
+#define RDZV_RING_PEERS 2
+int rdzv_ring_next(int me, int n, int out[RDZV_RING_PEERS]);
 /* The public view of a frozen record, for node `me` (may be NULL). */
 rdzv_err rdzv_record_to_round(const rdzv_record *rec, const char *me, rdzv_round *out);
 
@@ -246,10 +253,9 @@ int rdzv_probe_hold(const char *addr, int port, const char *node, int64_t inc, i
 int rdzv_check_member(rdzv *r, const char *node, int64_t deadline, int *revoked, char *why,
                       size_t len);
 
-/* rdzv_sentinel.c: each member watches the next RDZV_SENTINEL_PEERS
- * members' agents over a held probe connection; one that closes is checked
- * at once (rdzv_check_members). */
-#define RDZV_SENTINEL_PEERS 2
+/* rdzv_sentinel.c: each member watches the next RDZV_RING_PEERS members'
+ * agents over a held probe connection; one that closes is checked at once
+ * (rdzv_check_members). */
 rdzv_err rdzv_sentinel_start(rdzv *r);
 /* Watches round's next members after this node (NULL or a round without
  * it: none). */

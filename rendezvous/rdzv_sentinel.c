@@ -2,9 +2,9 @@
  *
  * A pod that dies takes its agent with it, and the kernel closes the
  * agent's sockets. Each member of a round holds a connection to the
- * liveness probe (probe.c) of the next RDZV_SENTINEL_PEERS members in rank
+ * liveness probe (probe.c) of the next RDZV_RING_PEERS members in rank
  * order, around the ring: every member is watched by that many others,
- * and the job holds n * RDZV_SENTINEL_PEERS connections, whatever its size.
+ * and the job holds n * RDZV_RING_PEERS connections, whatever its size.
  * Only a connection that answered (the member's node id and incarnation)
  * is watched: a refusal at an address where the member was never seen
  * proves nothing (a loopback address registered from another network
@@ -59,7 +59,7 @@ struct rdzv_sentinel {
     unsigned gen; /* bumped by every rdzv_sentinel_watch */
     int holding;  /* connections held now (rdzv_watching) */
     int n;
-    char nodes[RDZV_SENTINEL_PEERS][RDZV_NODE_ID_MAX + 1];
+    char nodes[RDZV_RING_PEERS][RDZV_NODE_ID_MAX + 1];
 };
 
 static void wake(rdzv_sentinel *s)
@@ -76,9 +76,10 @@ void rdzv_sentinel_watch(rdzv_sentinel *s, const rdzv_round *round)
     if (fp && strcmp(fp, "off") == 0) round = NULL;
     pthread_mutex_lock(&s->mu);
     s->n = 0;
-    int n = round ? round->nmembers : 0;
-    for (int i = 1; round && round->my_rank >= 0 && i < n && s->n < RDZV_SENTINEL_PEERS; i++) {
-        const rdzv_member *m = &round->members[(round->my_rank + i) % n];
+    int next[RDZV_RING_PEERS], k = 0;
+    if (round && round->my_rank >= 0) k = rdzv_ring_next(round->my_rank, round->nmembers, next);
+    for (int i = 0; i < k; i++) {
+        const rdzv_member *m = &round->members[next[i]];
         if (m->node_id) snprintf(s->nodes[s->n++], RDZV_NODE_ID_MAX + 1, "%s", m->node_id);
     }
     s->gen++;
@@ -179,7 +180,7 @@ static void *sentinel_main(void *arg)
 {
     rdzv *r = arg;
     rdzv_sentinel *s = r->sentinel;
-    peer ps[RDZV_SENTINEL_PEERS];
+    peer ps[RDZV_RING_PEERS];
     int np = 0;
     unsigned seen = 0;
     for (;;) {
@@ -198,8 +199,8 @@ static void *sentinel_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
 
-        struct pollfd fds[1 + RDZV_SENTINEL_PEERS];
-        int who[RDZV_SENTINEL_PEERS], nf = 1;
+        struct pollfd fds[1 + RDZV_RING_PEERS];
+        int who[RDZV_RING_PEERS], nf = 1;
         int64_t next = 0;
         fds[0] = (struct pollfd){.fd = s->wakefd, .events = POLLIN};
         for (int i = 0; i < np; i++) {

@@ -400,6 +400,16 @@ int rdzv_record_member_index(const rdzv_record *rec, const char *node)
     return -1;
 }
 
+int rdzv_ring_next(int me, int n, int out[RDZV_RING_PEERS])
+{
+    int k = 0;
+    for (int i = 1; i <= n && k < RDZV_RING_PEERS; i++) {
+        int at = ((me < 0 ? -1 : me) + i) % n;
+        if (at != me) out[k++] = at;
+    }
+    return k;
+}
+
 void rdzv_round_free(rdzv_round *r)
 {
     if (!r) return;

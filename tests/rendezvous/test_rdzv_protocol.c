@@ -495,6 +495,74 @@ static int sc_all_dead(tp_set *s)
     return 0;
 }
 
+/* A member whose registration is gone when its round freezes is still seen
+ * lost: a frozen round's members check only the next members around the
+ * ring (docs/design.md, "Rounds", End), so the one before it must. The
+ * test joins round 1 itself as "ghost", last (rank 4 of 5), under a lease
+ * of its own and with no registration at all: the round freezes with the
+ * ghost in it, ends at once (member_lost, by the ghost, long before any
+ * lease TTL) and the next round holds the four others. */
+static int sc_ring(tp_set *s)
+{
+    snprintf(s->job, sizeof(s->job), "ring");
+    char(*lines)[LINE] = lines_alloc();
+    CHECK_OR_RETURN(lines, "calloc");
+    char line[LINE], node[32], key[256];
+    int ids[4];
+    for (int i = 0; i < 4; i++) {
+        snprintf(node, sizeof(node), "r%d", i);
+        ids[i] = tp_spawn(s, node, "--min 2 --max 5 --ttl 60 --last-call-ms 60000");
+        CHECK_OR_RETURN(ids[i] >= 0, "spawn");
+    }
+    etcd_config cfg = {.endpoints = s->endpoint};
+    etcd_client *c = NULL;
+    CHECK_OR_RETURN(etcd_client_new(&cfg, &c) == ETCD_OK, "etcd client");
+    snprintf(key, sizeof(key), "/ductile/%s/rounds/1/joined/", s->job);
+    double deadline = mono_now_s() + 30.0;
+    for (;;) {
+        etcd_range_result rr;
+        CHECK_OR_RETURN(etcd_range(c, key, 1, 0, &rr) == ETCD_OK, "range joins");
+        size_t n = rr.n;
+        etcd_range_result_free(&rr);
+        if (n == 4) break;
+        CHECK_OR_RETURN(mono_now_s() < deadline, "only %zu joined round 1", n);
+        usleep(50 * 1000);
+    }
+    int64_t lease = 0;
+    CHECK_OR_RETURN(etcd_lease_grant(c, 60, &lease) == ETCD_OK, "lease grant");
+    snprintf(key, sizeof(key), "/ductile/%s/rounds/1/joined/ghost", s->job);
+    const char *val = "{\"addr\":\"127.0.0.1\",\"lws\":1,\"inc\":1,\"probe\":0}";
+    CHECK_OR_RETURN(etcd_put(c, key, val, strlen(val), lease, NULL) == ETCD_OK, "ghost join");
+    /* A member whose driver was slow may see round 1 only once the member
+     * before the ghost has ended it: it then reports round 2 alone. */
+    int saw = 0;
+    for (int k = 0; k < 4; k++) {
+        char members[LINE], cause[64], by[64];
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "FROZEN", 30000, lines[k], LINE) == 0,
+                        "round 1 never froze");
+        if (tp_ifield(lines[k], "round") != 1) continue;
+        saw++;
+        tp_field(lines[k], "members", members, sizeof(members));
+        CHECK_OR_RETURN(tp_ifield(lines[k], "nmembers") == 5 && strstr(members, "ghost"), "%s",
+                        lines[k]);
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "ENDED", 30000, line, sizeof(line)) == 0,
+                        "the round with the ghost never ended");
+        tp_field(line, "cause", cause, sizeof(cause));
+        tp_field(line, "by", by, sizeof(by));
+        CHECK_OR_RETURN(strcmp(cause, "member_lost") == 0 && strcmp(by, "ghost") == 0, "%s", line);
+        CHECK_OR_RETURN(tp_expect(s, ids[k], "FROZEN", 30000, lines[k], LINE) == 0,
+                        "no round after the ghost's");
+    }
+    CHECK_OR_RETURN(saw > 0, "nobody saw round 1 frozen with the ghost");
+    if (check_round(s, ids, 4, 1, lines) != 0) return 1;
+    CHECK_OR_RETURN(tp_ifield(lines[0], "round") == 2, "%s", lines[0]);
+    CHECK_OR_RETURN(!strstr(lines[0], "ghost"), "%s", lines[0]);
+    etcd_lease_revoke(c, lease);
+    etcd_client_free(c);
+    free(lines);
+    return 0;
+}
+
 /* The earliest joiner (the one that freezes) dies while the round is open:
  * the next joiner, watching its key, takes over and freezes without it. */
 static int sc_takeover(tp_set *s)
@@ -713,6 +781,7 @@ int main(int argc, char **argv)
         {"takeover", sc_takeover}, {"restart", sc_restart},
         {"twin", sc_twin},         {"stall", sc_stall},
         {"all-dead", sc_all_dead}, {"errors", sc_errors},
+        {"ring", sc_ring},
     };
     return tp_main(argc, argv, RDZV_PARTICIPANT, scenarios,
                    sizeof(scenarios) / sizeof(scenarios[0]));
