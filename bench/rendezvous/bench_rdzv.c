@@ -1,7 +1,7 @@
 /* bench_rdzv: how long the rendezvous takes, what it costs etcd, next to
  * what etcd itself costs.
  *
- *   bench_rdzv [N ...]      (default 64 256 1024; at most 4096)
+ *   bench_rdzv [--go] [N ...]      (default 64 256 1024; at most 4096)
  *
  * Participants are light processes (rdzv_participant, one rdzv handle each)
  * against one private etcd on this machine. Figures:
@@ -15,6 +15,11 @@
  *     "last open -> all" is the protocol's part once every node is there.
  *     CPU seconds of the participants (all N together) and of etcd during
  *     the form say which of them the machine was busy with.
+ *     With --go the participants start first (process, libcurl), each says
+ *     READY and waits; the bench then tells all of them "go" at once, and
+ *     "go -> all" is the protocol alone: N handles opened together (lease,
+ *     registration, watches), joined, frozen, every one holding its rank;
+ *     CPU is then counted from go.
  *   - requests per participant (N = each size): every participant's etcd
  *     requests by kind from its start until all N hold their ranks and have
  *     taken their first step in the frozen round
@@ -139,6 +144,9 @@ typedef struct form_result {
     double spawn;      /* the bench forking N processes */
     double last_open;  /* first spawn -> last OPEN */
     double after_open; /* last OPEN -> last FROZEN */
+    double ready;      /* --go: first spawn -> last READY */
+    double go_open;    /* --go: go -> last OPEN */
+    double go_all;     /* --go: go -> last FROZEN */
     double cpu_procs;  /* CPU seconds of the participants */
     double cpu_etcd;   /* CPU seconds of etcd during the form */
     double base;       /* N sequential puts */
@@ -225,17 +233,45 @@ static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
     return 0;
 }
 
-static int form(const char *endpoint, pid_t etcd_pid, int n, form_result *res)
+/* CPU seconds of every participant still running. */
+static double procs_cpu(const tp_set *s)
+{
+    double sum = 0;
+    for (int i = 0; i < s->nprocs; i++) {
+        double c = proc_cpu(s->procs[i].pid);
+        if (c > 0) sum += c;
+    }
+    return sum;
+}
+
+/* --go: waits for every READY, then says go to all; returns the time of
+ * the go (-1 on failure) and counts the CPU from then on. */
+static double go_all(tp_set *s, const int *ids, int n, pid_t etcd_pid, form_result *res, double t0,
+                     double *cpu0, double *etcd0)
+{
+    double tready = last_line(s, ids, n, "READY", 300000);
+    if (tready < 0) return -1;
+    res->ready = tready - t0;
+    *cpu0 = procs_cpu(s);
+    *etcd0 = proc_cpu(etcd_pid);
+    double tgo = mono_now_s();
+    for (int i = 0; i < n; i++)
+        if (tp_send(s, ids[i], "go") != 0) return -1;
+    return tgo;
+}
+
+static int form(const char *endpoint, pid_t etcd_pid, int n, int go, form_result *res)
 {
     char job[32], opts[256], node[32];
     snprintf(job, sizeof(job), "form-%d", n);
     snprintf(opts, sizeof(opts),
              "--min %d --max %d --last-call-ms 60000 --ttl 30 "
-             "--join-timeout-ms 300000 --etcd-timeout-ms 20000",
-             n, n);
+             "--join-timeout-ms 300000 --etcd-timeout-ms 20000 --wait-go %d",
+             n, n, go);
     memset(res, 0, sizeof(*res));
     res->n = n;
     res->secs = res->spawn = res->last_open = res->after_open = -1;
+    res->ready = res->go_open = res->go_all = -1;
     tp_set s;
     tp_init(&s, RDZV_PARTICIPANT, endpoint, job);
     int *ids = calloc((size_t)n, sizeof(int));
@@ -247,17 +283,26 @@ static int form(const char *endpoint, pid_t etcd_pid, int n, form_result *res)
         ids[i] = tp_spawn(&s, node, opts);
     }
     res->spawn = mono_now_s() - t0;
+    double tgo = 0, gocpu0 = 0;
+    if (go && (tgo = go_all(&s, ids, n, etcd_pid, res, t0, &gocpu0, &etcd0)) < 0) {
+        tp_free(&s);
+        free(ids);
+        return -1;
+    }
     double treg = last_line(&s, ids, n, "OPEN", 300000);
     double t1 = last_line(&s, ids, n, "FROZEN", 300000);
     res->cpu_etcd = proc_cpu(etcd_pid) - etcd0;
+    if (go) res->cpu_procs = procs_cpu(&s) - gocpu0;
     if (t1 > 0) res->secs = t1 - t0;
     if (treg > 0) res->last_open = treg - t0;
     if (t1 > 0 && treg > 0) res->after_open = t1 - treg;
+    if (go && treg > 0) res->go_open = treg - tgo;
+    if (go && t1 > 0) res->go_all = t1 - tgo;
     int ok = t1 > 0 && tp_check_agreement(&s) == 0 && settled_counts(&s, ids, n, res) == 0;
     for (int i = 0; i < n; i++)
         tp_send(&s, ids[i], "close");
     tp_free(&s);
-    res->cpu_procs = children_cpu() - cpu0;
+    if (!go) res->cpu_procs = children_cpu() - cpu0;
     free(ids);
     return ok ? 0 : -1;
 }
@@ -343,10 +388,14 @@ static int change(const char *endpoint, int do_kill, double *noticed, double *se
 
 int main(int argc, char **argv)
 {
-    int sizes[MAX_SIZES] = {64, 256, 1024}, nsizes = 3;
-    if (argc > 1) {
+    int sizes[MAX_SIZES] = {64, 256, 1024}, nsizes = 3, go = 0, first = 1;
+    if (argc > 1 && strcmp(argv[1], "--go") == 0) {
+        go = 1;
+        first = 2;
+    }
+    if (argc > first) {
         nsizes = 0;
-        for (int i = 1; i < argc && nsizes < MAX_SIZES; i++)
+        for (int i = first; i < argc && nsizes < MAX_SIZES; i++)
             sizes[nsizes++] = atoi(argv[i]);
     }
     /* two pipes per participant */
@@ -369,8 +418,9 @@ int main(int argc, char **argv)
     double load[3] = {0, 0, 0};
     getloadavg(load, 3);
     printf("rendezvous (participants are processes, one rdzv handle each; one etcd; "
-           "this machine: %ld cores, load average %.2f at start)\n",
-           cores, load[0]);
+           "this machine: %ld cores, load average %.2f at start)%s\n",
+           cores, load[0],
+           go ? "\n--go: every participant started and waiting before one go to all" : "");
     printf("| %-30s | %10s | %-34s | %10s | %7s |\n", "figure", "ours", "baseline", "baseline",
            "ratio");
     printf("|--------------------------------|------------|------------------------------------|"
@@ -379,7 +429,7 @@ int main(int argc, char **argv)
         int n = sizes[i];
         if (n < 1 || n > MAX_N) continue;
         form_result *f = &res[nres++];
-        failed |= form(e.endpoint, e.pid, n, f) != 0;
+        failed |= form(e.endpoint, e.pid, n, go, f) != 0;
         f->base = baseline_puts(c, n);
         char what[64], bname[64];
         snprintf(what, sizeof(what), "form, N=%d", n);
@@ -391,8 +441,16 @@ int main(int argc, char **argv)
         row(what, f->last_open, bname, f->base);
         snprintf(what, sizeof(what), "  last open -> all, N=%d", n);
         row(what, f->after_open, bname, f->base);
-        printf("|   CPU during form, N=%-9d | participants %.2f s, etcd %.2f s\n", n, f->cpu_procs,
-               f->cpu_etcd);
+        if (go) {
+            snprintf(what, sizeof(what), "  all started, N=%d", n);
+            row(what, f->ready, bname, f->base);
+            snprintf(what, sizeof(what), "  go -> last open, N=%d", n);
+            row(what, f->go_open, bname, f->base);
+            snprintf(what, sizeof(what), "  go -> all (protocol), N=%d", n);
+            row(what, f->go_all, bname, f->base);
+        }
+        snprintf(what, sizeof(what), "  CPU during form%s, N=%d", go ? " from go" : "", n);
+        printf("| %-30s | participants %.2f s, etcd %.2f s\n", what, f->cpu_procs, f->cpu_etcd);
         fflush(stdout);
     }
     print_requests(res, nres);

@@ -4,7 +4,7 @@
  *   rdzv_participant --endpoints URL --job J --node N [--addr A] [--lws K]
  *       [--min N] [--max N] [--last-call-ms MS] [--ttl S] [--join-timeout-ms MS]
  *       [--max-restarts N] [--etcd-timeout-ms MS] [--exit-after-frozen N]
- *       [--no-takeover 0|1] [--failpoints SPEC]
+ *       [--no-takeover 0|1] [--failpoints SPEC] [--wait-go 0|1]
  *
  * Every event becomes one line on stdout ("WORD key=value ..."), flushed at
  * once, so a test can read what each participant believes. Commands on
@@ -12,9 +12,13 @@
  * counts (answers COUNTS with the etcd requests so far, rdzv_get_counts),
  * leave, fail REASON (a first-hand failure), lost REASON (a lost peer), finish, close. EOF on stdin
  * closes the handle without leaving (peers then see the lease expire). --failpoints sets
- * DUCTILE_FAILPOINTS for this process (failpoint.h).
+ * DUCTILE_FAILPOINTS for this process (failpoint.h). --wait-go 1: the
+ * process starts and initialises libcurl, says READY, and opens the handle
+ * only when it reads the line "go" (the bench times the protocol apart from
+ * starting processes).
  */
 #include "ductile/clock.h"
+#include "ductile/etcd.h"
 #include "ductile/rdzv.h"
 
 #include <errno.h>
@@ -38,6 +42,35 @@ static void one_field(char *s)
 {
     for (; *s; s++)
         if (*s == ' ' || *s == '\n') *s = '_';
+}
+
+/* Says READY and waits (at most 600 s) for the line "go" on stdin; 0 when
+ * it came. Byte by byte, so nothing after it is taken from the main loop. */
+static int wait_go(const char *node)
+{
+    printf("READY node=%s t=%.3f\n", node, mono_now_s());
+    char line[16];
+    size_t len = 0;
+    int64_t deadline = mono_now_ms() + 600000;
+    for (;;) {
+        int64_t left = deadline - mono_now_ms();
+        struct pollfd p = {.fd = 0, .events = POLLIN};
+        int rc = left > 0 ? poll(&p, 1, (int)left) : 0;
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc <= 0) {
+            fprintf(stderr, "rdzv_participant: no \"go\" within 600 s\n");
+            return -1;
+        }
+        char c;
+        if (read(0, &c, 1) != 1) return -1;
+        if (c != '\n') {
+            if (len < sizeof(line) - 1) line[len++] = c;
+            continue;
+        }
+        line[len] = '\0';
+        if (strcmp(line, "go") == 0) return 0;
+        len = 0;
+    }
 }
 
 static void usage(void)
@@ -125,7 +158,7 @@ int main(int argc, char **argv)
         .join_timeout_ms = 60000,
         .max_restarts = 3,
     };
-    int exit_after = 0;
+    int exit_after = 0, go = 0;
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (i + 1 >= argc) usage();
@@ -160,11 +193,14 @@ int main(int argc, char **argv)
             cfg.no_takeover = int_arg(v, f);
         else if (!strcmp(f, "--failpoints"))
             setenv("DUCTILE_FAILPOINTS", v, 1);
+        else if (!strcmp(f, "--wait-go"))
+            go = int_arg(v, f);
         else
             usage();
     }
     if (!cfg.etcd.endpoints || !cfg.job || !cfg.node_id) usage();
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (go && (etcd_global_init() != ETCD_OK || wait_go(cfg.node_id) != 0)) return 1;
 
     char msg[256];
     rdzv *r = NULL;
