@@ -132,6 +132,7 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
                                     .key = joined,
                                     .prefix = 1,
                                     .limit = 1,
+                                    .keys_only = 1,
                                     .sort = ETCD_SORT_CREATE_DESCEND,
                                     .max_create_revision = r->join_rev - 1};
         s->asked_latest = s->asked_pred && r->fz_round == rec->number;
@@ -140,6 +141,7 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
                                     .key = joined,
                                     .prefix = 1,
                                     .limit = 1,
+                                    .keys_only = 1,
                                     .sort = ETCD_SORT_CREATE_DESCEND};
     }
     etcd_err e = etcd_txn(r->dc, &cmp, 1, ops, nops, NULL, 0, &s->txn);
