@@ -30,6 +30,11 @@
  *     that failed (moved) per participant, and the KiB of answers to its
  *     unary calls (watch streams not included). The last line says whether the
  *     requests per join grow with N.
+ *   - record to N watches (N = each size): etcd's CPU seconds to deliver one
+ *     put of a value the size of a frozen round record of N members (64
+ *     bytes a member) to N watches of its key, as every agent watches
+ *     `round`. Baseline: the same N deliveries of a 64-byte value. What
+ *     the record's size costs etcd per round, apart from the protocol.
  *   - kill: SIGKILL of one of 8 members to the last survivor holding its
  *     rank in the next round. Baseline: the lease TTL, the bound on noticing
  *     a silent death.
@@ -149,6 +154,7 @@ typedef struct form_result {
     double go_all;     /* --go: go -> last FROZEN */
     double cpu_procs;  /* CPU seconds of the participants */
     double cpu_etcd;   /* CPU seconds of etcd during the form */
+    double cpu_settle; /* and until every one took its first step in the round */
     double base;       /* N sequential puts */
     uint64_t kinds[ETCD_REQ_KINDS];
     uint64_t total, most, steps, moved, bytes;
@@ -266,8 +272,8 @@ static int form(const char *endpoint, pid_t etcd_pid, int n, int go, form_result
     snprintf(job, sizeof(job), "form-%d", n);
     snprintf(opts, sizeof(opts),
              "--min %d --max %d --last-call-ms 60000 --ttl 30 "
-             "--join-timeout-ms 300000 --etcd-timeout-ms 20000 --wait-go %d",
-             n, n, go);
+             "--join-timeout-ms 300000 --etcd-timeout-ms 20000%s",
+             n, n, go ? " --wait-go 1" : "");
     memset(res, 0, sizeof(*res));
     res->n = n;
     res->secs = res->spawn = res->last_open = res->after_open = -1;
@@ -299,12 +305,55 @@ static int form(const char *endpoint, pid_t etcd_pid, int n, int go, form_result
     if (go && treg > 0) res->go_open = treg - tgo;
     if (go && t1 > 0) res->go_all = t1 - tgo;
     int ok = t1 > 0 && tp_check_agreement(&s) == 0 && settled_counts(&s, ids, n, res) == 0;
+    res->cpu_settle = proc_cpu(etcd_pid) - etcd0;
     for (int i = 0; i < n; i++)
         tp_send(&s, ids[i], "close");
     tp_free(&s);
     if (!go) res->cpu_procs = children_cpu() - cpu0;
     free(ids);
     return ok ? 0 : -1;
+}
+
+/* etcd's CPU seconds to deliver one put of `size` bytes to each of n
+ * watches (one connection each, opened beforehand), or -1: the mean over
+ * enough puts for a thousand deliveries (CPU time is counted in ticks). */
+static double fanout_cpu(const char *endpoint, pid_t etcd_pid, int n, size_t size, int round)
+{
+    etcd_client **cs = calloc((size_t)n, sizeof(*cs));
+    etcd_watch **ws = calloc((size_t)n, sizeof(*ws));
+    char *value = malloc(size);
+    char key[64];
+    snprintf(key, sizeof(key), "/bench/fanout/%d", round);
+    double secs = -1;
+    etcd_client *c = connect_etcd(endpoint);
+    if (!cs || !ws || !value || !c) goto out;
+    memset(value, 'r', size);
+    for (int i = 0; i < n; i++)
+        if (!(cs[i] = connect_etcd(endpoint)) ||
+            etcd_watch_open(cs[i], key, 0, 0, &ws[i]) != ETCD_OK)
+            goto out;
+    int puts = n < 1024 ? 1024 / n : 1;
+    double cpu0 = proc_cpu(etcd_pid);
+    for (int p = 0; p < puts; p++) {
+        if (etcd_put(c, key, value, size, 0, NULL) != ETCD_OK) goto out;
+        for (int i = 0; i < n; i++) {
+            etcd_event *evs = NULL;
+            size_t k = 0;
+            if (etcd_watch_next(ws[i], 30000, &evs, &k) != ETCD_OK || k != 1) goto out;
+            etcd_events_free(evs, k);
+        }
+    }
+    secs = (proc_cpu(etcd_pid) - cpu0) / puts;
+out:
+    for (int i = 0; cs && i < n; i++) {
+        if (ws && ws[i]) etcd_watch_close(ws[i]);
+        etcd_client_free(cs[i]);
+    }
+    etcd_client_free(c);
+    free(value);
+    free(ws);
+    free(cs);
+    return secs;
 }
 
 static void print_requests(const form_result *res, int nres)
@@ -432,29 +481,43 @@ int main(int argc, char **argv)
         failed |= form(e.endpoint, e.pid, n, go, f) != 0;
         f->base = baseline_puts(c, n);
         char what[64], bname[64];
-        snprintf(what, sizeof(what), "form, N=%d", n);
         snprintf(bname, sizeof(bname), "%d sequential etcd puts", n);
-        row(what, f->secs, bname, f->base);
-        snprintf(what, sizeof(what), "  spawn (bench), N=%d", n);
-        row(what, f->spawn, bname, f->base);
-        snprintf(what, sizeof(what), "  last open, N=%d", n);
-        row(what, f->last_open, bname, f->base);
-        snprintf(what, sizeof(what), "  last open -> all, N=%d", n);
-        row(what, f->after_open, bname, f->base);
-        if (go) {
-            snprintf(what, sizeof(what), "  all started, N=%d", n);
-            row(what, f->ready, bname, f->base);
-            snprintf(what, sizeof(what), "  go -> last open, N=%d", n);
-            row(what, f->go_open, bname, f->base);
-            snprintf(what, sizeof(what), "  go -> all (protocol), N=%d", n);
-            row(what, f->go_all, bname, f->base);
+        const struct {
+            const char *name;
+            double secs;
+            int go_only;
+        } rows[] = {{"form", f->secs, 0},
+                    {"  spawn (bench)", f->spawn, 0},
+                    {"  last open", f->last_open, 0},
+                    {"  last open -> all", f->after_open, 0},
+                    {"  all started", f->ready, 1},
+                    {"  go -> last open", f->go_open, 1},
+                    {"  go -> all (protocol)", f->go_all, 1}};
+        for (size_t k = 0; k < sizeof(rows) / sizeof(rows[0]); k++) {
+            if (rows[k].go_only && !go) continue;
+            snprintf(what, sizeof(what), "%s, N=%d", rows[k].name, n);
+            row(what, rows[k].secs, bname, f->base);
         }
         snprintf(what, sizeof(what), "  CPU during form%s, N=%d", go ? " from go" : "", n);
-        printf("| %-30s | participants %.2f s, etcd %.2f s\n", what, f->cpu_procs, f->cpu_etcd);
+        printf("| %-30s | participants %.2f s, etcd %.2f s (%.2f s until all took a step in "
+               "the round)\n",
+               what, f->cpu_procs, f->cpu_etcd, f->cpu_settle);
         fflush(stdout);
     }
     print_requests(res, nres);
     printf("\n");
+    for (int i = 0; i < nres; i++) {
+        int n = res[i].n;
+        double rec = fanout_cpu(e.endpoint, e.pid, n, (size_t)n * 64, 2 * i);
+        double small = fanout_cpu(e.endpoint, e.pid, n, 64, 2 * i + 1);
+        failed |= rec < 0 || small < 0;
+        char what[64], bname[64];
+        snprintf(what, sizeof(what), "record (%d KiB) to N=%d watches", n * 64 / 1024, n);
+        snprintf(bname, sizeof(bname), "64 B to the N watches (etcd CPU)");
+        row(what, rec, bname, small);
+        fflush(stdout);
+    }
+    printf("(etcd CPU seconds for one put delivered to every watch)\n\n");
     double noticed = -1, secs = -1;
     double notify = baseline_notify(c, e.endpoint);
     failed |= change(e.endpoint, 1, &noticed, &secs) != 0;
