@@ -261,6 +261,7 @@ out:
 static void *events_main(void *arg)
 {
     agent_events *e = arg;
+    pthread_setname_np(pthread_self(), "k8s-events");
     pthread_mutex_lock(&e->mu);
     for (;;) {
         while (!e->n && !e->quit)

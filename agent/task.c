@@ -29,6 +29,7 @@ typedef struct task_run {
 static void *task_main(void *p)
 {
     task_run *tr = p;
+    pthread_setname_np(pthread_self(), "agent-task");
     char line[AGENT_TASK_ANSWER_MAX + 1];
     line[0] = 0;
     tr->fn(tr->arg, line, AGENT_TASK_ANSWER_MAX);

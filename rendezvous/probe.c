@@ -66,6 +66,7 @@ static int probe_line(char *buf, size_t len, const char *node, int64_t inc)
 static void *responder_main(void *arg)
 {
     rdzv_probe *p = arg;
+    pthread_setname_np(pthread_self(), "rdzv-probe");
     struct pollfd fds[2 + PROBE_HELD_MAX];
     int held = 0;
     fds[0] = (struct pollfd){.fd = p->lfd, .events = POLLIN};

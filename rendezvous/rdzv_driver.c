@@ -618,6 +618,7 @@ static rdzv_err reconcile(rdzv *r)
 void *rdzv_driver_main(void *arg)
 {
     rdzv *r = arg;
+    pthread_setname_np(pthread_self(), "rdzv-driver");
     int need = 1;
     r->backoff_ms = 100;
     for (;;) {

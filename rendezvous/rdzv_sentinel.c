@@ -180,6 +180,7 @@ static void *sentinel_main(void *arg)
 {
     rdzv *r = arg;
     rdzv_sentinel *s = r->sentinel;
+    pthread_setname_np(pthread_self(), "rdzv-sentinel");
     peer ps[RDZV_RING_PEERS];
     int np = 0;
     unsigned seen = 0;

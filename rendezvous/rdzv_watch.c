@@ -118,6 +118,7 @@ int rdzv_take_cached_round(rdzv *r, rdzv_record *rec, int64_t *mod)
 static void *watcher_main(void *arg)
 {
     rdzv_watcher *w = arg;
+    pthread_setname_np(pthread_self(), "rdzv-watch");
     rdzv *r = w->r;
     etcd_client *c = NULL;
     int64_t next_rev = w->start_rev;
@@ -283,6 +284,7 @@ void rdzv_start_member_watches(rdzv *r, int64_t from)
 void *rdzv_keepalive_main(void *arg)
 {
     rdzv *r = arg;
+    pthread_setname_np(pthread_self(), "rdzv-keepalive");
     int64_t period = (int64_t)r->cfg.lease_ttl_s * 1000 / 3;
     int64_t next = mono_now_ms() + period;
     pthread_mutex_lock(&r->mu);

@@ -190,6 +190,7 @@ typedef struct epoch_guard {
 static void *guard_run(void *arg)
 {
     epoch_guard *g = arg;
+    pthread_setname_np(pthread_self(), "store-guard");
     int state = GUARD_WATCHING;
     while (state == GUARD_WATCHING && !atomic_load(&g->stop)) {
         int64_t left = g->deadline - mono_now_ms();

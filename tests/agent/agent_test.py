@@ -1233,6 +1233,15 @@ def case_taken_over_comes_back(job):
     finish_with(job, (a, b2))
 
 
+def thread_names(pid):
+    """pid's threads: thread id -> name (/proc/PID/task/TID/comm)."""
+    names = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+            names[tid] = f.read().strip()
+    return names
+
+
 def case_http_and_status(job):
     job.flags += FAST + ["--nnodes", "2", "--max-restarts", "2"]
     port = free_port()
@@ -1243,6 +1252,12 @@ def case_http_and_status(job):
     b = job.start("node-b")
     r1 = job.wait_round(2, 60)
     wait_for(lambda: http_get(port, "/readyz")[0] == 200, 10, "/readyz 200 in a round")
+    # Every thread but the main one says what it is (ps -L, gdb, /proc).
+    names = thread_names(a.proc.pid)
+    main = names.pop(str(a.proc.pid))
+    check(main not in names.values(), "every thread named: %s" % sorted(names.values()))
+    for name in ["rdzv-driver", "rdzv-keepalive", "rdzv-watch", "rdzv-probe"]:
+        check(name in names.values(), "a thread named %s: %s" % (name, sorted(names.values())))
     code, text = http_get(port, "/metrics")
     check(code == 200, "/metrics 200")
     for name in ["ductile_round", "ductile_members", "ductile_world_size",
