@@ -32,7 +32,14 @@ means every worker of the new round has started and written its report.
                             on). Baseline: VmRSS of the test worker, a minimal
                             C process. Below it, where the agent's resident
                             set goes (/proc/PID/smaps: each library group,
-                            heap, malloc arenas, thread stacks, the rest).
+                            heap, malloc arenas, thread stacks, the rest)
+                            and its threads by name.
+  agent RSS, own part       the same figure against the libraries' floor:
+                            agent-floor (agent_floor.c) loads the agent's
+                            libraries, initialises them as the agent does
+                            and makes one etcd call, nothing else. Its
+                            breakdown goes beside the agent's; the
+                            difference is the agent's own.
   agent idle CPU            CPU seconds per second over an idle window.
                             Baseline: etcd's over the same window.
 """
@@ -234,22 +241,54 @@ def rss_breakdown(pid, exe):
     return parts
 
 
+def thread_names(pid):
+    """pid's threads by name (/proc/PID/task/TID/comm), each with its count."""
+    names = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                n = f.read().strip()
+        except OSError:
+            continue
+        names[n] = names.get(n, 0) + 1
+    return names
+
+
 def cpu_s(pid):
     with open("/proc/%d/stat" % pid) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def median_breakdown(pids, exe):
+    """The median VmRSS of pids, and the breakdown of the pid nearest it."""
+    med = statistics.median(rss_kib(p) for p in pids)
+    mid = min(pids, key=lambda p: abs(rss_kib(p) - med))
+    return med, mid, rss_breakdown(mid, exe)
+
+
+def floors(n):
+    """n agent-floor processes, each serving HTTP on a port of its own."""
+    ps = [subprocess.Popen([at.ARGS.floor, at.ETCD, str(at.free_port())], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    for p in ps:
+        if not p.stdout.readline():
+            raise at.Fail("agent-floor exited with %s" % p.wait())
+    return ps
+
+
 def costs(window):
     job = at.Job("bench-idle-%d" % os.getpid(), flags())
     agents = [job.start("node-%d" % i, ["--http-port", str(at.free_port())]) for i in range(4)]
     job.wait_round(4, 60)
+    fl = []
     try:
+        fl = floors(4)
         time.sleep(1.3)
-        agent_rss = statistics.median(rss_kib(a.proc.pid) for a in agents)
-        # The breakdown of the agent whose VmRSS is nearest the median.
-        mid = min(agents, key=lambda a: abs(rss_kib(a.proc.pid) - agent_rss))
-        parts = rss_breakdown(mid.proc.pid, at.ARGS.agent)
+        # The breakdown of the agent (and floor) whose VmRSS is nearest the median.
+        agent_rss, mid, parts = median_breakdown([a.proc.pid for a in agents], at.ARGS.agent)
+        floor_rss, _, floor_parts = median_breakdown([p.pid for p in fl], at.ARGS.floor)
+        threads = thread_names(mid)
         worker_rss = statistics.median(rss_kib(w["_pid"]) for w in job.alive_workers())
         etcd = int(os.environ["DUCTILE_TEST_ETCD_PID"])
         a0 = [cpu_s(a.proc.pid) for a in agents]
@@ -259,8 +298,12 @@ def costs(window):
         dt = time.monotonic() - t0
         agent_cpu = statistics.mean((cpu_s(a.proc.pid) - c) / dt for a, c in zip(agents, a0))
         etcd_cpu = (cpu_s(etcd) - e0) / dt
-        return agent_rss, parts, worker_rss, agent_cpu, etcd_cpu
+        return (agent_rss, parts, threads, worker_rss, agent_cpu, etcd_cpu, floor_rss,
+                floor_parts)
     finally:
+        for p in fl:
+            p.stdin.close()
+            p.wait()
         job.cleanup(False)
 
 
@@ -268,6 +311,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--agent", required=True)
     ap.add_argument("--worker", required=True)
+    ap.add_argument("--floor", required=True, help="agent-floor (bench/agent/agent_floor.c)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--idle-window", type=float, default=10.0)
     ap.add_argument("--costs-only", action="store_true",
@@ -284,12 +328,15 @@ def main():
     try:
         if not at.ARGS.costs_only:
             recovery(n, timed, rows)
-        agent_rss, parts, worker_rss, agent_cpu, etcd_cpu = costs(at.ARGS.idle_window)
+        (agent_rss, parts, threads, worker_rss, agent_cpu, etcd_cpu, floor_rss,
+         floor_parts) = costs(at.ARGS.idle_window)
     except at.Fail as e:
         print("bench/agent: %s" % e, file=sys.stderr)
         return 1
     rows.append(("agent RSS (in a running round)", "%d KiB" % agent_rss, "test worker RSS",
                  "%d KiB" % worker_rss, agent_rss / max(worker_rss, 1)))
+    rows.append(("agent RSS (in a running round)", "%d KiB" % agent_rss,
+                 "its libraries (agent-floor)", "%d KiB" % floor_rss, agent_rss / floor_rss))
     rows.append(("agent idle CPU (%.0f s window)" % at.ARGS.idle_window,
                  "%.2f%% core" % (100 * agent_cpu), "etcd idle CPU", "%.2f%% core" %
                  (100 * etcd_cpu), agent_cpu / etcd_cpu if etcd_cpu > 0 else float("nan")))
@@ -300,13 +347,18 @@ def main():
     print("%-*s  %12s  %-*s  %12s  %7s" % (w, "figure", "ours", bw, "baseline", "value", "ratio"))
     for r in rows:
         print("%-*s  %12s  %-*s  %12s  %7.2f" % (w, r[0], r[1], bw, r[2], r[3], r[4]))
-    print("\nwhere the agent's RSS goes (one agent, /proc/PID/smaps; the worker: %d KiB)" %
-          worker_rss)
+    print("\nwhere the agent's RSS goes (one agent, /proc/PID/smaps; the worker: %d KiB),"
+          " KiB" % worker_rss)
+    print("  %-52s %6s %6s  %6s %6s" % ("", "agent", "", "floor", "own"))
     total = sum(parts.values())
     for name, kib in sorted(parts.items(), key=lambda kv: -kv[1]):
         if kib:
-            print("  %-52s %6d KiB  %5.1f%%" % (name, kib, 100.0 * kib / total))
-    print("  %-52s %6d KiB" % ("total (smaps Rss)", total))
+            fk = floor_parts.get(name, 0)
+            print("  %-52s %6d %5.1f%%  %6d %6d" % (name, kib, 100.0 * kib / total, fk, kib - fk))
+    ftotal = sum(floor_parts.values())
+    print("  %-52s %6d %6s  %6d %6d" % ("total (smaps Rss)", total, "", ftotal, total - ftotal))
+    print("the same agent's threads (%d): %s" % (sum(threads.values()), ", ".join(
+        n if c == 1 else "%s x%d" % (n, c) for n, c in sorted(threads.items()))))
     return 0
 
 
