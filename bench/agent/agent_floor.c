@@ -47,7 +47,7 @@ int main(int argc, char **argv)
     etcd_err e = d ? etcd_client_new_err(&cfg, &c, err, sizeof(err)) : ETCD_ERR_ARG;
     if (e == ETCD_OK) e = etcd_range(c, "/agent-floor", 0, 1, &r);
     if (e != ETCD_OK) {
-        fprintf(stderr, "agent-floor: %s\n", d ? etcd_strerror(e) : "cannot start MHD");
+        fprintf(stderr, "agent-floor: %s\n", !d ? "cannot start MHD" : c ? etcd_strerror(e) : err);
         etcd_client_free(c);
         if (d) MHD_stop_daemon(d);
         return 1;
