@@ -193,15 +193,22 @@ LIB_GROUPS = [
 ]
 
 
+def task_files(pid, name):
+    """The text of /proc/PID/task/TID/NAME for every thread of pid (those still there)."""
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/%s" % (pid, tid, name)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        yield text
+
+
 def stack_tops(pid):
     """The stack pointer of every thread of pid blocked in a system call."""
     sps = []
-    for tid in os.listdir("/proc/%d/task" % pid):
-        try:
-            with open("/proc/%d/task/%s/syscall" % (pid, tid)) as f:
-                fields = f.read().split()
-        except OSError:
-            continue
+    for text in task_files(pid, "syscall"):
+        fields = text.split()
         if len(fields) >= 8:
             sps.append(int(fields[7], 16))
     return sps
@@ -244,13 +251,8 @@ def rss_breakdown(pid, exe):
 def thread_names(pid):
     """pid's threads by name (/proc/PID/task/TID/comm), each with its count."""
     names = {}
-    for tid in os.listdir("/proc/%d/task" % pid):
-        try:
-            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
-                n = f.read().strip()
-        except OSError:
-            continue
-        names[n] = names.get(n, 0) + 1
+    for text in task_files(pid, "comm"):
+        names[text.strip()] = names.get(text.strip(), 0) + 1
     return names
 
 
