@@ -93,6 +93,26 @@ int ddp_assign_buckets(const size_t *numel, int n, size_t first_cap, size_t cap,
     return n > 0 ? b + 1 : 0;
 }
 
+int ddp_overlap_choose(ddp_overlap_mode mode, int gpu, int cores, int local_world, int threads,
+                       char *why, size_t len)
+{
+    if (local_world < 1) local_world = 1;
+    if (mode != DDP_OVERLAP_AUTO) {
+        snprintf(why, len, "forced by --%s", mode == DDP_OVERLAP_ON ? "overlap" : "no-overlap");
+        return mode == DDP_OVERLAP_ON;
+    }
+    if (gpu) {
+        snprintf(why, len, "auto: compute runs on the GPU");
+        return 1;
+    }
+    int spare = cores >= local_world * (threads + 1);
+    snprintf(why, len, "auto: %d core%s for %d local rank%s x %d compute thread%s %s", cores,
+             cores == 1 ? "" : "s", local_world, local_world == 1 ? "" : "s", threads,
+             threads == 1 ? "" : "s",
+             spare ? "leave a core each for communication" : "leave no core for communication");
+    return spare;
+}
+
 static void *comm_thread(void *arg)
 {
     ddp_reducer *r = arg;
