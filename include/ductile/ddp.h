@@ -9,7 +9,8 @@
  * it is handed to a communication thread, which all-reduces buckets strictly
  * in bucket-index order (never in ready order, so every rank issues the same
  * collectives in the same order). After backward, finish() waits for every
- * bucket and divides by the world size.
+ * bucket; gradients end divided by the world size (on the CPU the thread
+ * divides each bucket as soon as it is summed, while it is in cache).
  *
  * The last bucket carries one extra float, the stop flag: each rank writes
  * 1 there when it wants to stop after this step, and after the sum every rank
