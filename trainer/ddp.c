@@ -93,6 +93,36 @@ int ddp_assign_buckets(const size_t *numel, int n, size_t first_cap, size_t cap,
     return n > 0 ? b + 1 : 0;
 }
 
+int ddp_overlap_choose(ddp_overlap_mode mode, int gpu, int cores, int local_world, int threads,
+                       char *why, size_t len)
+{
+    if (local_world < 1) local_world = 1;
+    if (mode != DDP_OVERLAP_AUTO) {
+        snprintf(why, len, "forced by --%s", mode == DDP_OVERLAP_ON ? "overlap" : "no-overlap");
+        return mode == DDP_OVERLAP_ON;
+    }
+    if (gpu) {
+        snprintf(why, len, "auto: compute runs on the GPU");
+        return 1;
+    }
+    int spare = cores >= local_world * (threads + 1);
+    snprintf(why, len, "auto: %d core%s for %d local rank%s x %d compute thread%s %s", cores,
+             cores == 1 ? "" : "s", local_world, local_world == 1 ? "" : "s", threads,
+             threads == 1 ? "" : "s",
+             spare ? "leave a core each for communication" : "leave no core for communication");
+    return spare;
+}
+
+/* On the CPU the thread averages each bucket as soon as it is summed, while
+ * it is still in cache (a pass over all gradients in finish() reads them
+ * back from memory) and, overlapped, beside backward. */
+static void average_bucket(ddp_reducer *r, const ddp_bucket *b)
+{
+    float inv = 1.0f / (float)r->world, *g = r->grads + b->offset;
+    for (size_t i = 0; i < b->numel; i++)
+        g[i] *= inv;
+}
+
 static void *comm_thread(void *arg)
 {
     ddp_reducer *r = arg;
@@ -108,6 +138,7 @@ static void *comm_thread(void *arg)
         pthread_mutex_unlock(&r->mu);
         if (e == COMM_OK)
             e = comm_allreduce_sum_f32_after(r->comm, r->grads + b->offset, b->numel, ready);
+        if (e == COMM_OK && !r->m->dev && r->world > 1) average_bucket(r, b);
         pthread_mutex_lock(&r->mu);
         if (e != COMM_OK && r->cerr == COMM_OK) {
             r->cerr = e;
@@ -315,14 +346,9 @@ ddp_err ddp_finish(ddp_reducer *r, int *stop)
         ddp_err err = wait_buckets(r);
         if (err != DDP_OK) return err;
     }
-    if (r->world > 1) {
-        float inv = 1.0f / (float)r->world;
-        if (r->m->dev)
-            gpu_scale(r->m, r->grads, r->total, inv);
-        else
-            for (size_t i = 0; i < r->total; i++)
-                r->grads[i] *= inv;
-    }
+    /* The thread averaged the CPU's buckets (average_bucket); a device's
+     * are averaged here, in one kernel. */
+    if (r->world > 1 && r->m->dev) gpu_scale(r->m, r->grads, r->total, 1.0f / (float)r->world);
     *stop = (r->m->dev ? gpu_read(r->m, r->grads + r->flag) : r->grads[r->flag]) > 0.0f;
     return DDP_OK;
 }

@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -106,6 +107,8 @@ typedef struct trainer {
     model *m;
     optim *opt;
     ddp_reducer *r;
+    int overlap;           /* buckets reduced during backward (1) or after it (0) */
+    char overlap_why[160]; /* why, for the start line and the summary */
     ckpt_state st;
     int64_t start_step, start_samples;
     double loss_sum;     /* since the last log line */
@@ -442,7 +445,7 @@ static int resume_and_sync(trainer *t)
 static int reducer_create(trainer *t)
 {
     ddp_err e = ddp_reducer_create(t->m, t->g.comm, (size_t)(t->o.bucket_cap_mb * 1048576.0),
-                                   t->o.overlap, &t->r);
+                                   t->overlap, &t->r);
     if (e != DDP_OK) return fail(t, "rank %d: reducer: %s", t->g.rank, ddp_strerror(e));
     ddp_set_vote(t->r, late_vote, t);
     return 0;
@@ -563,7 +566,8 @@ static void write_summary(const trainer *t, double acc, double seconds, stop_rea
     cJSON_AddNumberToObject(j, "accumulate", t->o.accumulate);
     cJSON_AddNumberToObject(j, "global_batch", (double)t->o.batch * t->o.accumulate * t->g.world);
     cJSON_AddNumberToObject(j, "buckets", ddp_bucket_count(t->r));
-    cJSON_AddBoolToObject(j, "overlap", t->o.overlap);
+    cJSON_AddBoolToObject(j, "overlap", t->overlap);
+    cJSON_AddStringToObject(j, "overlap_why", t->overlap_why);
     cJSON_AddStringToObject(j, "stopped_by", stop_reason_name(why));
     char *text = cJSON_Print(j);
     FILE *f = fopen(t->o.summary, "w");
@@ -610,12 +614,26 @@ static void trainer_free(trainer *t)
     group_leave(&t->g);
 }
 
-static int blas_threads(const options *o, const group *g)
+/* The cores this process may run on (its affinity mask, as taskset or a
+ * container's cpuset leaves it), else the online count. */
+static int usable_cores(void)
 {
-    if (o->threads > 0) return o->threads;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int n = (int)(cores / g->local_world);
-    return n > 0 ? n : 1;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* BLAS threads (--threads, else this rank's share of the cores), then
+ * whether the all-reduce overlaps backward (ddp_overlap_choose). Both are
+ * settled once, before the first group's reducer exists. */
+static void compute_threads(trainer *t)
+{
+    int cores = usable_cores(), lw = t->g.local_world > 0 ? t->g.local_world : 1;
+    int threads = t->o.threads > 0 ? t->o.threads : cores / lw > 0 ? cores / lw : 1;
+    openblas_set_num_threads(threads);
+    t->overlap = ddp_overlap_choose(t->o.overlap, t->o.device == DEVICE_CUDA, cores, lw, threads,
+                                    t->overlap_why, sizeof(t->overlap_why));
 }
 
 /* Every --log-every steps: rank 0's loss and the global samples/s since the last line. */
@@ -875,7 +893,7 @@ static int trainer_start(trainer *t, int argc, char **argv, int *status)
         return -1;
     }
     if (pick_device(t) != 0 || group_join(t) != 0 || elastic_start(t) != 0 ||
-        (openblas_set_num_threads(blas_threads(&t->o, &t->g)), 0) || trainer_setup(t) != 0) {
+        (compute_threads(t), 0) || trainer_setup(t) != 0) {
         /* Under an agent, a group that could not form because a peer went
          * away is a lost peer, not this worker's failure: say so by the
          * exit status (the control channel may not be open yet). */
@@ -885,9 +903,12 @@ static int trainer_start(trainer *t, int argc, char **argv, int *status)
     }
     char desc[256];
     model_describe(&t->o.cfg, desc, sizeof(desc));
-    say(t, "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s", desc,
-        t->m->nfloats, ddp_bucket_count(t->r), t->train.n, t->g.world, (long long)t->g.round,
-        t->m->dev ? "cuda" : "cpu");
+    say(t,
+        "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s; all-reduce %s "
+        "(%s)",
+        desc, t->m->nfloats, ddp_bucket_count(t->r), t->train.n, t->g.world, (long long)t->g.round,
+        t->m->dev ? "cuda" : "cpu", t->overlap ? "overlapped with backward" : "after backward",
+        t->overlap_why);
     return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "ductile/control.h" /* ctl_int: one integer parser */
+#include "ductile/ddp.h"
 #include "ductile/optim.h"
 
 static const struct option long_opts[] = {
@@ -42,6 +43,7 @@ static const struct option long_opts[] = {
     {"limit-test", 1, 0, 'T'},
     {"record-samples", 1, 0, 'r'},
     {"dump-params", 1, 0, 'D'},
+    {"overlap", 0, 0, 'V'},
     {"no-overlap", 0, 0, 'O'},
     {"threads", 1, 0, 't'},
     {"log-every", 1, 0, 'g'},
@@ -84,7 +86,12 @@ void options_usage(FILE *f)
         "                         trained, written before its gradients leave)\n"
         "  --dump-params FILE     test mode: rank 0 writes the final parameters as raw floats\n"
         "                         ({rank} in FILE: every rank writes its own, as ROUND-RANK)\n"
-        "  --no-overlap           all-reduce after backward instead of during it\n"
+        "  --overlap              all-reduce gradient buckets during backward, on a thread\n"
+        "  --no-overlap           all-reduce them after backward\n"
+        "                         (neither: auto, which overlaps on a GPU, and on the CPU only\n"
+        "                         when the cores this process may use leave one for each local\n"
+        "                         rank's communication thread beyond its --threads; the start\n"
+        "                         line says which and why)\n"
         "  --threads N            BLAS threads (cores / LOCAL_WORLD_SIZE)\n"
         "  --log-every N          steps between log lines (100)\n"
         "  --host ADDR            address the ring listens on and publishes\n"
@@ -229,7 +236,10 @@ static int set_option(options *o, int id, const char *name, const char *v, const
         o->dump_params = v;
         return 0;
     case 'O':
-        o->overlap = 0;
+        o->overlap = DDP_OVERLAP_OFF;
+        return 0;
+    case 'V':
+        o->overlap = DDP_OVERLAP_ON;
         return 0;
     case 't':
         return parse_int(lg, name, v, 0, 1024, &i) ? -1 : (o->threads = (int)i, 0);
@@ -271,7 +281,7 @@ int options_parse(int argc, char **argv, options *o, const dlog *lg)
     o->seed = 1;
     o->data = "/usr/share/datasets/fashion-mnist";
     o->bucket_cap_mb = 25;
-    o->overlap = 1;
+    o->overlap = DDP_OVERLAP_AUTO;
     o->log_every = 100;
     o->comm_timeout_ms = 30000;
     o->device = DEVICE_AUTO;

@@ -18,7 +18,8 @@ enum { DEVICE_AUTO = -1, DEVICE_CPU = 0, DEVICE_CUDA = 1 };
 
 typedef struct options {
     model_config cfg;
-    int epochs, batch, accumulate, threads, log_every, overlap, cosine;
+    int epochs, batch, accumulate, threads, log_every, cosine;
+    int overlap; /* ddp_overlap_mode */
     int64_t max_steps, warmup, checkpoint_every;
     int limit_train, limit_test, comm_timeout_ms;
     float lr, momentum, weight_decay;

@@ -1,8 +1,10 @@
 #!/bin/sh
 # bench/ddp/run.sh BUILD_DIR: training throughput (samples/s) of ductile-train
-# with 1 and 2 ranks, with the all-reduce overlapping backward and after it
-# (--no-overlap), beside PyTorch DDP (CPU, gloo) training the same MLP on the
-# same data with the same per-rank batch in the same run; prints our/torch.
+# with 1 and 2 ranks, with the all-reduce overlapping backward (--overlap)
+# and after it (--no-overlap), beside PyTorch DDP (CPU, gloo) training the
+# same MLP on the same data with the same per-rank batch in the same run;
+# prints ours/torch for each, overlap/after for both, and which of the two
+# ductile-train's default (auto) picks on this machine, and why.
 #
 # One BLAS/intra-op thread per rank for both. 2 ranks of ours run under
 # ductile-agent --standalone (private etcd, TCP ring); torch's under
@@ -31,7 +33,7 @@ fi
 tmp=$(mktemp -d /tmp/ductile-bench-ddp-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 
-ours() { # ours WORLD STEPS HIDDEN CAP [--no-overlap] -> samples/s
+ours() { # ours WORLD STEPS HIDDEN CAP [--overlap|--no-overlap] -> samples/s
     world=$1 steps=$2 hidden=$3 cap=$4
     shift 4
     set -- --data "$data" --threads 1 --hidden "$hidden" --batch-size "$batch" \
@@ -47,6 +49,13 @@ ours() { # ours WORLD STEPS HIDDEN CAP [--no-overlap] -> samples/s
     python3 -c "import json; print(round(json.load(open('$tmp/s.json'))['samples_per_s']))"
 }
 
+auto_pick() { # auto_pick WORLD HIDDEN CAP -> what the default (auto) chose, and why
+    ours "$1" 2 "$2" "$3" >/dev/null
+    python3 -c "import json; j = json.load(open('$tmp/s.json'))
+print(('overlapped' if j['overlap'] else 'after') + ' (' + j['overlap_why'] + ')')" 2>/dev/null ||
+        echo "unknown (the run failed)"
+}
+
 theirs() { # theirs WORLD STEPS HIDDEN [--no-overlap] -> samples/s
     world=$1 steps=$2 hidden=$3
     shift 3
@@ -57,20 +66,24 @@ theirs() { # theirs WORLD STEPS HIDDEN [--no-overlap] -> samples/s
 }
 
 echo "per-rank batch $batch, 1 thread per rank, $(nproc) cores; torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-printf '%-14s %-6s %-12s %12s %12s %8s\n' model ranks allreduce "ours/s" "torch/s" ratio
+printf '%-14s %-6s %-12s %12s %12s %10s\n' model ranks allreduce "ours/s" "torch/s" ours/torch
 row() { # row MODEL RANKS MODE OURS THEIRS
     ratio=$(python3 -c "print(f'{$4 / $5:.2f}' if $5 else '-')")
-    printf '%-14s %-6s %-12s %12s %12s %8s\n' "$1" "$2" "$3" "$4" "$5" "$ratio"
+    printf '%-14s %-6s %-12s %12s %12s %10s\n' "$1" "$2" "$3" "$4" "$5" "$ratio"
 }
 for cfg in "mlp-256-128 256,128 25 ${DDP_STEPS:-300}" "mlp-1024-1024 1024,1024 1 ${DDP_STEPS_WIDE:-100}"; do
     set -- $cfg
     name=$1 hidden=$2 cap=$3 steps=$4
     row "$name" 1 none "$(ours 1 "$steps" "$hidden" "$cap")" "$(theirs 1 "$steps" "$hidden")"
-    o2=$(ours 2 "$steps" "$hidden" "$cap")
-    row "$name" 2 overlapped "$o2" "$(theirs 2 "$steps" "$hidden")"
+    o2=$(ours 2 "$steps" "$hidden" "$cap" --overlap)
+    to2=$(theirs 2 "$steps" "$hidden")
+    row "$name" 2 overlapped "$o2" "$to2"
     n2=$(ours 2 "$steps" "$hidden" "$cap" --no-overlap)
-    row "$name" 2 after "$n2" "$(theirs 2 "$steps" "$hidden" --no-overlap)"
-    echo "   $name, 2 ranks: overlap buys $(python3 -c "print(f'{$o2 / $n2:.2f}x' if $n2 else '-')") for ours"
+    tn2=$(theirs 2 "$steps" "$hidden" --no-overlap)
+    row "$name" 2 after "$n2" "$tn2"
+    echo "   $name, 2 ranks: overlapped/after $(python3 -c "print(f'{$o2 / $n2:.2f}x' if $n2 else '-')")" \
+        "for ours, $(python3 -c "print(f'{$to2 / $tn2:.2f}x' if $tn2 else '-')") for torch;" \
+        "ours by default: $(auto_pick 2 "$hidden" "$cap")"
 done
 # What ductile.torch (python/: rebuilt in place; a commit and a one-integer
 # vote per step) costs a PyTorch DDP script, beside the same script without it.

@@ -9,7 +9,8 @@
  * it is handed to a communication thread, which all-reduces buckets strictly
  * in bucket-index order (never in ready order, so every rank issues the same
  * collectives in the same order). After backward, finish() waits for every
- * bucket and divides by the world size.
+ * bucket; gradients end divided by the world size (on the CPU the thread
+ * divides each bucket as soon as it is summed, while it is in cache).
  *
  * The last bucket carries one extra float, the stop flag: each rank writes
  * 1 there when it wants to stop after this step, and after the sum every rank
@@ -55,8 +56,22 @@ typedef struct ddp_bucket {
 
 typedef struct ddp_reducer ddp_reducer;
 
+/* How the all-reduce meets backward (--overlap, --no-overlap, neither). */
+typedef enum { DDP_OVERLAP_OFF = 0, DDP_OVERLAP_ON = 1, DDP_OVERLAP_AUTO = 2 } ddp_overlap_mode;
+
+/* 1 to all-reduce buckets during backward, 0 after it, for `mode`; writes
+ * why in one line. ON and OFF are forced. AUTO overlaps on a GPU (compute
+ * runs there; the thread only queues collectives) and on the CPU only when
+ * the cores this process may use hold every local rank's compute threads
+ * and one more each for its communication thread: cores >= local_world *
+ * (threads + 1). Without that spare core the thread takes its time slices
+ * from backward and from the peers' rings, and overlap measured slower than
+ * reducing after backward (bench/ddp). */
+int ddp_overlap_choose(ddp_overlap_mode mode, int gpu, int cores, int local_world, int threads,
+                       char *why, size_t len);
+
 /* comm may be NULL for a world of one. With overlap 0 buckets are reduced
- * only in finish() (for measuring what overlap buys). */
+ * only in finish(), after backward. */
 ddp_err ddp_reducer_create(model *m, comm *c, size_t bucket_cap_bytes, int overlap,
                            ddp_reducer **out);
 void ddp_reducer_free(ddp_reducer *r);

@@ -304,9 +304,42 @@ static void test_reduce_order(int overlap, const char *order_name, int forward)
     model_free(m);
 }
 
+/* The overlap decision against made-up core counts: forced modes win, a
+ * GPU overlaps, the CPU overlaps only with a spare core per local rank. */
+static void test_overlap_choice(void)
+{
+    static const struct {
+        ddp_overlap_mode mode;
+        int gpu, cores, local_world, threads, want;
+        const char *says;
+    } cases[] = {
+        {DDP_OVERLAP_AUTO, 0, 2, 2, 1, 0, "no core"},     /* bench/ddp's 2 ranks on 2 cores */
+        {DDP_OVERLAP_AUTO, 0, 4, 2, 1, 1, "a core each"}, /* 2 x (1 + 1) fits 4 */
+        {DDP_OVERLAP_AUTO, 0, 3, 2, 1, 0, "no core"},     /* one spare core, two ranks */
+        {DDP_OVERLAP_AUTO, 0, 16, 2, 8, 0, "no core"},    /* --threads took every core */
+        {DDP_OVERLAP_AUTO, 0, 16, 2, 7, 1, "a core each"},
+        {DDP_OVERLAP_AUTO, 0, 1, 1, 1, 0, "no core"},
+        {DDP_OVERLAP_AUTO, 1, 1, 4, 1, 1, "GPU"},
+        {DDP_OVERLAP_ON, 0, 1, 4, 1, 1, "--overlap"},
+        {DDP_OVERLAP_OFF, 1, 64, 1, 1, 0, "--no-overlap"},
+    };
+    printf("overlap choice\n");
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char why[160];
+        int got = ddp_overlap_choose(cases[i].mode, cases[i].gpu, cases[i].cores,
+                                     cases[i].local_world, cases[i].threads, why, sizeof(why));
+        CHECK(got == cases[i].want, "case %zu: overlap %d, want %d (%s)", i, got, cases[i].want,
+              why);
+        CHECK(strstr(why, cases[i].says) != NULL, "case %zu: '%s' does not say '%s'", i, why,
+              cases[i].says);
+        printf("  %d: %s\n", got, why);
+    }
+}
+
 int main(void)
 {
     test_assignment();
+    test_overlap_choice();
     test_reducer_layout();
     printf("reduction order\n");
     for (int overlap = 0; overlap <= 1; overlap++) {

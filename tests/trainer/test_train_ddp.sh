@@ -5,7 +5,8 @@
 #  - N = 2, 3, 4 ranks with batch b end with the parameters of 1 rank with
 #    batch N*b after 20 steps (DDP's defining property), with one and with
 #    several gradient buckets;
-#  - overlap on and off, and --accumulate, give the same parameters;
+#  - overlap on and off, and --accumulate, give the same parameters (the
+#    N-rank runs force --overlap: auto would not overlap on a small machine);
 #  - a run stopped at 2 ranks and resumed at 3 trains every sample exactly
 #    once per epoch;
 #  - SIGTERM to one rank stops every rank after the same step, exit 0;
@@ -79,7 +80,7 @@ for n in 2 3 4; do
     3) model="--hidden 64,64,64,64 --bucket-cap-mb 0.01" ;;
     *) model="--bucket-cap-mb 0.1" ;;
     esac
-    run "eq-$n" $n "eq$n" $common $model --batch-size 8 --dump-params "$tmp/ddp$n" \
+    run "eq-$n" $n "eq$n" $common $model --batch-size 8 --overlap --dump-params "$tmp/ddp$n" \
         --summary "$tmp/eq$n.json"
     single "one$n" $common $model --batch-size $((8 * n)) --dump-params "$tmp/one$n"
     echo "$n ranks, $(json "$tmp/eq$n.json" buckets) buckets:"

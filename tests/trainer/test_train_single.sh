@@ -7,7 +7,9 @@
 #    show every sample exactly once per epoch;
 #  - SIGTERM finishes the step, saves and exits 0; the next run resumes there;
 #  - a checkpoint that cannot be written (full disk) is reported and training
-#    goes on; the CNN trains.
+#    goes on; the CNN trains;
+#  - auto overlap follows the cores the process may use (under taskset),
+#    and --overlap / --no-overlap force it.
 # Needs TRAIN, COMPARE (compare_params) and FASHION_MNIST.
 set -u
 fail=0
@@ -111,6 +113,36 @@ env DUCTILE_TRAIN_MAX_STEPS=3 DUCTILE_TRAIN_LIMIT_TRAIN=256 DUCTILE_TRAIN_LIMIT_
 [ "$(json "$tmp/env.json" steps)" = 3 ] && [ "$(json "$tmp/env.json" batch_size)" = 16 ] &&
     [ "$(json "$tmp/env.json" overlap)" = False ] ||
     bad "env options: steps $(json "$tmp/env.json" steps), batch $(json "$tmp/env.json" batch_size)"
+
+echo "== auto overlap by the cores this process may use (taskset); --overlap forces it"
+# ov CPUS NAME ARGS...: one step on CPUS; the start line in $tmp/NAME.out
+ov() {
+    cpus=$1 name=$2
+    shift 2
+    taskset -c "$cpus" "$TRAIN" --data "$FASHION_MNIST" --threads 1 --limit-train 64 \
+        --limit-test 16 --max-steps 1 --batch-size 16 --summary "$tmp/$name.json" "$@" \
+        >"$tmp/$name.out" || bad "$name: exit $?"
+}
+expect_ov() { # expect_ov NAME OVERLAP TEXT
+    [ "$(json "$tmp/$1.json" overlap)" = "$2" ] && grep -q "; all-reduce .*($3" "$tmp/$1.out" ||
+        bad "$1: want overlap $2 ($3), got: $(grep "; all-reduce" "$tmp/$1.out")"
+}
+if taskset -c 0 true 2>/dev/null; then
+    ov 0 ov-one
+    expect_ov ov-one False "auto: 1 core for 1 local rank x 1 compute thread leave no core"
+    ov 0 ov-forced --overlap
+    expect_ov ov-forced True "forced by --overlap"
+    if taskset -c 0,1 true 2>/dev/null; then
+        ov 0,1 ov-two
+        expect_ov ov-two True "auto: 2 cores for 1 local rank x 1 compute thread leave a core each"
+        ov 0,1 ov-off --no-overlap
+        expect_ov ov-off False "forced by --no-overlap"
+    else
+        echo "SKIP two-core case: fewer than 2 cores here"
+    fi
+else
+    echo "SKIP: taskset cannot pin to cpu 0 here"
+fi
 
 echo "== cnn"
 T --model cnn --limit-train 128 --limit-test 64 --epochs 1 --batch-size 32 \
