@@ -13,7 +13,7 @@
 #include "ductile/comm.h"
 
 typedef struct comm_ops {
-    const char *name; /* "ring", "nccl" */
+    const char *name; /* "ring", "shm", "nccl" */
     comm_err (*allreduce_sum_f32)(comm *c, float *buf, size_t n);
     comm_err (*broadcast)(comm *c, void *buf, size_t bytes, int root);
     comm_err (*allgather)(comm *c, const void *send, size_t bytes, void *recv);

@@ -519,6 +519,7 @@ static group_link group_link_of(const options *o)
     return (group_link){.host = o->host,
                         .timeout_ms = o->comm_timeout_ms,
                         .cuda = o->device == DEVICE_CUDA,
+                        .transport = (comm_transport)o->comm,
                         .device = o->gpu};
 }
 

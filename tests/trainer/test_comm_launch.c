@@ -100,7 +100,10 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
         return COMM_ERR_STORE;
     }
     cfg.store = s;
-    comm_err err = g->nccl ? comm_nccl_init(&cfg, out) : comm_ring_init(&cfg, out);
+    cfg.transport = g->shm ? COMM_TRANSPORT_SHM : COMM_TRANSPORT_RING;
+    comm_err err = g->nccl  ? comm_nccl_init(&cfg, out)
+                   : g->shm ? comm_cpu_init(&cfg, out)
+                            : comm_ring_init(&cfg, out);
     rdzv_store_close(s);
     return err;
 }

@@ -1,12 +1,14 @@
-/* test_comm_ring.c: the TCP ring collectives, one real process per rank.
+/* test_comm_ring.c: the CPU collectives, one real process per rank.
  *
- *   test_comm_ring [--pairs] [CASE...]
+ *   test_comm_ring [--pairs|--shm] [CASE...]
  *
  * By default every ring is bootstrapped through the round store of a real
  * etcd (DUCTILE_TEST_ETCD, or a private one started here) over 127.0.0.1;
  * --pairs builds the rings over socketpairs instead, to test the ring core
- * alone. Inputs are small integers, so float sums are exact and results are
- * compared bit for bit. Failure cases kill (SIGKILL), stop (SIGSTOP) or
+ * alone; --shm runs the same cases over shared memory (comm_cpu_init with
+ * every rank on this host), plus its own: a rebuild in a new round with
+ * fewer ranks, and a segment that never touches /dev/shm. Inputs are small integers, so float sums
+ * are exact and results are compared bit for bit. Failure cases kill (SIGKILL), stop (SIGSTOP) or
  * abort a rank and check what every other rank gets back, and how soon.
  */
 #include "test_comm_launch.h"
@@ -28,12 +30,16 @@
 #include <unistd.h>
 
 static const char *g_etcd; /* NULL: socketpairs */
+static int g_shm;          /* --shm */
 
 /* A group for one case: a job of its own, round 1 current. A group that
  * cannot be made counts as a failed check. */
 static int group_open(tc_group *g, int world)
 {
-    if (tc_group_open(g, world, g_etcd, "comm-test") == 0) return 0;
+    if (tc_group_open(g, world, g_etcd, "comm-test") == 0) {
+        g->shm = g_shm;
+        return 0;
+    }
     check_fail();
     return -1;
 }
@@ -484,7 +490,7 @@ static int rank_stray(tc_group *g, int rank, void *arg)
 
 static void test_stray(void)
 {
-    if (!g_etcd) return;
+    if (!g_etcd || g_shm) return; /* the ring's TCP listener */
     tc_group g;
     if (group_open(&g, 2) != 0) return;
     g.timeout_ms = 5000;
@@ -543,11 +549,77 @@ static void test_single(void)
         CHECK(strlen(comm_strerror((comm_err)e)) > 0, "strerror %d", e);
 }
 
+/* ---- shared memory only ---- */
+
+/* 1 when this process maps or holds anything under /dev/shm. */
+static int uses_dev_shm(void)
+{
+    char line[512];
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return 1;
+    int found = 0;
+    while (fgets(line, sizeof(line), f))
+        if (strstr(line, " /dev/shm/")) found = 1;
+    fclose(f);
+    return found;
+}
+
+/* 1 when this process maps the communicator's memfd. */
+static int maps_memfd(void)
+{
+    char line[512];
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return 0;
+    int found = 0;
+    while (fgets(line, sizeof(line), f))
+        if (strstr(line, "/memfd:ductile-shm")) found = 1;
+    fclose(f);
+    return found;
+}
+
+static int rank_rebuild(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(maps_memfd(), "rank %d: no memfd segment mapped", rank);
+    CHECK_OR_RETURN(!uses_dev_shm(), "rank %d: something under /dev/shm is mapped", rank);
+    float buf[3] = {1, 2, 3};
+    CHECK_OR_RETURN(comm_allreduce_sum_f32(c, buf, 3) == COMM_OK && buf[2] == 3.0f * 3,
+                    "round 1 allreduce: %s", comm_last_error(c));
+    /* Round 2 without rank 2: made current before anyone leaves round 1. */
+    if (rank == 0) CHECK_OR_RETURN(tc_make_round_current(g->etcd, g->job, 2) == 0, "round 2");
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "barrier: %s", comm_last_error(c));
+    comm_free(c);
+    if (rank == 2) return 0;
+    g->round = 2;
+    g->world = 2;
+    c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(comm_world_size(c) == 2, "round 2 world");
+    buf[0] = (float)rank;
+    CHECK_OR_RETURN(comm_allreduce_sum_f32(c, buf, 1) == COMM_OK && buf[0] == 1.0f,
+                    "round 2 allreduce: %s (%g)", comm_last_error(c), (double)buf[0]);
+    CHECK_OR_RETURN(!uses_dev_shm(), "rank %d: something under /dev/shm is mapped", rank);
+    comm_free(c);
+    return 0;
+}
+
+static void test_rebuild(void)
+{
+    if (!g_shm) return;
+    tc_group g;
+    if (group_open(&g, 3) != 0) return;
+    CHECK(tc_run(&g, rank_rebuild, NULL, 60) == 0, "rebuild in a new round");
+    tc_group_free(&g);
+}
+
 int main(int argc, char **argv)
 {
     int first = 1, pairs = 0;
     if (first < argc && strcmp(argv[first], "--pairs") == 0) {
         pairs = 1;
+        first++;
+    } else if (first < argc && strcmp(argv[first], "--shm") == 0) {
+        g_shm = 1;
         first++;
     }
     /* SIGPIPE stays at its default (fatal): the ring must never raise it. */
@@ -564,8 +636,12 @@ int main(int argc, char **argv)
         {"stop", test_stop},
         {"stray", test_stray},
         {"fenced", test_fenced},
+        {"rebuild", test_rebuild},
     };
-    th_run_cases(cases, TH_COUNT(cases), argc, argv, first, pairs ? "socketpairs" : "store");
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, first,
+                 pairs   ? "socketpairs"
+                 : g_shm ? "shm"
+                         : "store");
     test_etcd_stop(&etcd);
     return check_finish("test_comm_ring");
 }
