@@ -38,7 +38,10 @@
  *
  * Failpoints (ductile/failpoint.h): shm.collective (counted per collective
  * that reaches the segment) with action closed fails it as a dead peer
- * does (COMM_ERR_PEER, the others see the dead word at once).
+ * does (COMM_ERR_PEER, the others see the dead word at once); shm.connect
+ * (counted per comm_cpu_init bootstrap of world >= 2 not forced to the
+ * ring) with action fail fails it at once with a timeout, publishing
+ * nothing, so its peers time out too.
  */
 #include "comm_impl.h"
 #include "comm_ring.h"
@@ -729,6 +732,9 @@ static comm_err shm_bootstrap(shm *g, const comm_config *cfg, int *use_ring)
     int64_t deadline = mono_now_ms() + g->timeout_ms;
     char host[128], key[32];
     *use_ring = 0;
+    if (ring_failpoint("shm.connect", "fail"))
+        return comm_fail(&g->base, COMM_ERR_TIMEOUT,
+                         "the local ranks did not meet (failpoint shm.connect)");
     if (shm_host_id(host, sizeof(host)) < 0) snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
     snprintf(key, sizeof(key), "host/%d", g->base.rank);
     rdzv_err re = rdzv_store_set(cfg->store, key, host, strlen(host));
