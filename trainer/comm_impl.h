@@ -57,4 +57,11 @@ int comm_is_aborted(const comm *c);
  * ownership of both fds, also on failure. */
 comm_err comm_ring_from_fds(const comm_config *cfg, int left_fd, int right_fd, comm **out);
 
+/* Test and bench hook: shared memory without a store. memfd is a zeroed
+ * segment of comm_shm_bytes(world) bytes (mapped here, not owned);
+ * peer_fd[r] is a connected stream socket to rank r, or -1 at this rank
+ * (owned, also on failure). Returns once every rank has joined. */
+size_t comm_shm_bytes(int world);
+comm_err comm_shm_from_fds(const comm_config *cfg, int memfd, const int *peer_fd, comm **out);
+
 #endif

@@ -55,6 +55,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -72,7 +73,8 @@
 
 #define SHM_MAX_RANKS 64
 #define SHM_SLOT (512u * 1024u) /* bytes per rank per chunk */
-#define SHM_SPIN 2000           /* polls of the generation before sleeping */
+#define SHM_SPIN 200            /* polls of the generation before yielding */
+#define SHM_YIELDS 50           /* sched_yield()s before sleeping */
 #define SHM_SLICE_MS 50         /* a sleeping waiter checks its peers this often */
 #define SHM_HELLO_MS 2000
 #define SHM_HELLO_MAGIC 0x4f4c4c45484d4853ull  /* "SHMHELLO" */
@@ -195,9 +197,15 @@ static comm_err shm_barrier_wait(shm *g)
         if (atomic_load(&h->waiters)) futex(&h->gen, FUTEX_WAKE, INT_MAX, NULL);
         return COMM_OK;
     }
-    for (int i = 0; i < SHM_SPIN; i++) {
+    /* A short spin (a peer on another core is microseconds away), then a
+     * few yields (with more ranks than free cores, the peer needs this
+     * core), then sleep. */
+    for (int i = 0; i < SHM_SPIN + SHM_YIELDS; i++) {
         if (reached(atomic_load_explicit(&h->gen, memory_order_acquire), k)) return COMM_OK;
-        cpu_relax();
+        if (i < SHM_SPIN)
+            cpu_relax();
+        else
+            sched_yield();
     }
     int64_t deadline = mono_now_ms() + g->timeout_ms;
     for (;;) {
@@ -772,6 +780,35 @@ static comm_err shm_bootstrap(shm *g, const comm_config *cfg, int *use_ring)
         err = comm_fail(&g->base, COMM_ERR_STORE, "malformed transport '%s'", (char *)val);
     }
     free(val);
+    return err;
+}
+
+size_t comm_shm_bytes(int world)
+{
+    return world >= 2 && world <= SHM_MAX_RANKS ? shm_seg_bytes(world) : 0;
+}
+
+comm_err comm_shm_from_fds(const comm_config *cfg, int memfd, const int *peer_fd, comm **out)
+{
+    int w = cfg ? cfg->world_size : 0;
+    comm_err err = COMM_ERR_ARG;
+    shm *g = NULL;
+    *out = NULL;
+    if (w >= 2 && w <= SHM_MAX_RANKS && cfg->rank >= 0 && cfg->rank < w &&
+        (err = shm_new(cfg, &g)) == COMM_OK) {
+        for (int r = 0; r < w; r++)
+            if (r != cfg->rank) shm_add_peer(g, r, peer_fd[r]);
+        err = shm_map(g, memfd, shm_seg_bytes(w));
+        if (err == COMM_OK) err = shm_barrier_wait(g);
+        if (err == COMM_OK) {
+            *out = &g->base;
+            return COMM_OK;
+        }
+        shm_destroy(&g->base);
+        return err;
+    }
+    for (int r = 0; r < w && w <= SHM_MAX_RANKS; r++)
+        if (r != cfg->rank && peer_fd[r] >= 0) close(peer_fd[r]);
     return err;
 }
 
