@@ -381,11 +381,12 @@ static comm_err shm_barrier(comm *c)
     return shm_run(g, &p, 0);
 }
 
-/* Wakes this rank's waiter (the others sleep on too): it sees the flag. */
+/* As a ring's abort shuts its sockets: every rank's collectives fail now,
+ * and this rank's waiter wakes to see its flag. */
 static void shm_abort(comm *c)
 {
     shm *g = (shm *)c;
-    if (g->h) futex(&g->h->gen, FUTEX_WAKE, INT_MAX, NULL);
+    if (g->h) shm_poison(g);
 }
 
 static void shm_destroy(comm *c)
@@ -671,17 +672,17 @@ static comm_err shm_join(shm *g, const char *name, uint64_t nonce, int64_t deadl
     return err;
 }
 
-static comm_err store_error(shm *g, rdzv_store *s, rdzv_err e, const char *what)
+static comm_err store_error(comm *c, rdzv_store *s, rdzv_err e, const char *what)
 {
-    return comm_fail(&g->base, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE,
-                     "%s: %s (%s)", what, rdzv_strerror(e), rdzv_store_last_error(s));
+    return comm_fail(c, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE, "%s: %s (%s)",
+                     what, rdzv_strerror(e), rdzv_store_last_error(s));
 }
 
-static comm_err shm_new(const comm_config *cfg, shm **out)
+static comm_err shm_new(const comm_config *cfg, int rank, int world, shm **out)
 {
     shm *g = calloc(1, sizeof(*g));
     if (!g) return COMM_ERR_NOMEM;
-    comm_base_init(&g->base, &shm_ops, cfg->rank, cfg->world_size);
+    comm_base_init(&g->base, &shm_ops, rank, world);
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : SHM_DEFAULT_TIMEOUT_MS;
     for (int r = 0; r < SHM_MAX_RANKS; r++)
         g->peer_fd[r] = -1;
@@ -689,97 +690,203 @@ static comm_err shm_new(const comm_config *cfg, shm **out)
     return COMM_OK;
 }
 
-/* Rank 0's half of the decision: listens (in case), reads every rank's
- * host and publishes "transport". *shm_ok says what it chose. */
-static comm_err shm_decide(shm *g, const comm_config *cfg, const char *host, int *lfd,
-                           uint64_t *nonce, int *shm_ok, int64_t deadline)
+/* The leader's half of a group's meeting: a random abstract socket, with
+ * its name and nonce published as "shm/<host>". */
+static comm_err shm_listen(shm *g, rdzv_store *store, int host, int *lfd, uint64_t *nonce)
 {
-    int w = g->base.world_size;
-    *shm_ok = cfg->transport != COMM_TRANSPORT_RING && w <= SHM_MAX_RANKS;
-    for (int r = 1; r < w && *shm_ok; r++) {
-        char key[32];
-        void *val = NULL;
-        size_t len = 0;
-        snprintf(key, sizeof(key), "host/%d", r);
-        rdzv_err re = rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), &val, &len);
-        if (re != RDZV_OK) return store_error(g, cfg->store, re, "waiting for the ranks' hosts");
-        *shm_ok = strcmp(val, host) == 0;
-        free(val);
-    }
-    char v[160], name[64] = "";
-    if (*shm_ok) {
-        uint64_t rnd[2];
-        if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd) ||
-            getrandom(nonce, sizeof(*nonce), 0) != (ssize_t)sizeof(*nonce))
-            return shm_fail(g, COMM_ERR_SYS, "getrandom: %s", strerror(errno));
-        snprintf(name, sizeof(name), "ductile-shm-%016" PRIx64 "%016" PRIx64, rnd[0], rnd[1]);
-        struct sockaddr_un sa;
-        socklen_t sl = shm_sockaddr(name, &sa);
-        *lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (*lfd < 0 || bind(*lfd, (struct sockaddr *)&sa, sl) < 0 || listen(*lfd, 64) < 0)
-            return shm_fail(g, COMM_ERR_SYS, "listening on an abstract socket: %s",
-                            strerror(errno));
-        snprintf(v, sizeof(v), "shm %s %016" PRIx64, name, *nonce);
-    } else if (cfg->transport == COMM_TRANSPORT_SHM) {
-        snprintf(v, sizeof(v), "none");
-    } else {
-        snprintf(v, sizeof(v), "ring");
-    }
-    rdzv_err re = rdzv_store_set(cfg->store, "transport", v, strlen(v));
-    if (re != RDZV_OK) return store_error(g, cfg->store, re, "publishing the transport");
-    if (!*shm_ok && cfg->transport == COMM_TRANSPORT_SHM)
-        return comm_fail(&g->base, COMM_ERR_ARG,
-                         "shared memory needs every rank on this host (at most %d)", SHM_MAX_RANKS);
+    uint64_t rnd[2];
+    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd) ||
+        getrandom(nonce, sizeof(*nonce), 0) != (ssize_t)sizeof(*nonce))
+        return shm_fail(g, COMM_ERR_SYS, "getrandom: %s", strerror(errno));
+    char name[64], key[32], v[128];
+    snprintf(name, sizeof(name), "ductile-shm-%016" PRIx64 "%016" PRIx64, rnd[0], rnd[1]);
+    struct sockaddr_un sa;
+    socklen_t sl = shm_sockaddr(name, &sa);
+    *lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (*lfd < 0 || bind(*lfd, (struct sockaddr *)&sa, sl) < 0 || listen(*lfd, 64) < 0)
+        return shm_fail(g, COMM_ERR_SYS, "listening on an abstract socket: %s", strerror(errno));
+    snprintf(key, sizeof(key), "shm/%d", host);
+    snprintf(v, sizeof(v), "%s %016" PRIx64, name, *nonce);
+    rdzv_err re = rdzv_store_set(store, key, v, strlen(v));
+    if (re != RDZV_OK) return store_error(&g->base, store, re, "publishing the segment's socket");
     return COMM_OK;
 }
 
-/* Every rank: publish the host, learn the transport; shm: build the
- * segment. *use_ring is 1 when the ring should be built instead. */
-static comm_err shm_bootstrap(shm *g, const comm_config *cfg, int *use_ring)
+/* One host's ranks (lrank of lworld) build their segment: the leader
+ * (lrank 0) serves it, the others join. On failure *why says why. */
+static comm_err shm_group(const comm_config *cfg, int lrank, int lworld, int host, int64_t deadline,
+                          comm **out, char *why)
 {
-    int64_t deadline = mono_now_ms() + g->timeout_ms;
-    char host[128], key[32];
-    *use_ring = 0;
-    if (ring_failpoint("shm.connect", "fail"))
-        return comm_fail(&g->base, COMM_ERR_TIMEOUT,
-                         "the local ranks did not meet (failpoint shm.connect)");
-    if (shm_host_id(host, sizeof(host)) < 0) snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
-    snprintf(key, sizeof(key), "host/%d", g->base.rank);
-    rdzv_err re = rdzv_store_set(cfg->store, key, host, strlen(host));
-    if (re != RDZV_OK) return store_error(g, cfg->store, re, "publishing the host");
-    if (g->base.rank == 0) {
-        int lfd = -1, ok = 0;
+    shm *g = NULL;
+    comm_err err = shm_new(cfg, lrank, lworld, &g);
+    if (err != COMM_OK) return err;
+    if (lrank == 0) {
+        int lfd = -1;
         uint64_t nonce = 0;
-        comm_err err = shm_decide(g, cfg, host, &lfd, &nonce, &ok, deadline);
-        if (err == COMM_OK && ok) err = shm_serve(g, lfd, nonce, deadline);
+        err = shm_listen(g, cfg->store, host, &lfd, &nonce);
+        if (err == COMM_OK) err = shm_serve(g, lfd, nonce, deadline);
         if (lfd >= 0) close(lfd);
-        *use_ring = err == COMM_OK && !ok;
+    } else {
+        char key[32], name[64];
+        void *val = NULL;
+        size_t len = 0;
+        uint64_t nonce;
+        snprintf(key, sizeof(key), "shm/%d", host);
+        rdzv_err re = rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), &val, &len);
+        if (re != RDZV_OK)
+            err = store_error(&g->base, cfg->store, re, "waiting for the segment's socket");
+        else if (sscanf(val, "%63s %" SCNx64, name, &nonce) != 2)
+            err = comm_fail(&g->base, COMM_ERR_STORE, "malformed segment socket '%s'", (char *)val);
+        else
+            err = shm_join(g, name, nonce, deadline);
+        free(val);
+    }
+    /* Every rank has its segment: the first barrier says all mapped it. */
+    if (err == COMM_OK) err = shm_barrier_wait(g);
+    if (err != COMM_OK) {
+        snprintf(why, COMM_MSG_MAX, "%s", g->base.last_error);
+        shm_destroy(&g->base);
         return err;
+    }
+    *out = &g->base;
+    return COMM_OK;
+}
+
+/* ---- comm_cpu_init: which transport ---- */
+
+/* Rank 0: reads every rank's host and publishes "transport": "hosts" and
+ * each rank's host index (in order of first appearance), or "ring" when a
+ * host has more ranks than a segment takes. */
+static comm_err cpu_decide(comm *c, const comm_config *cfg, const char *mine, int64_t deadline)
+{
+    int w = cfg->world_size, nhosts = 0, ring = 0;
+    char **ids = calloc((size_t)w, sizeof(*ids));
+    int *host_of = calloc((size_t)w, sizeof(int)), *count = calloc((size_t)w, sizeof(int));
+    char *v = malloc(16 + 12 * (size_t)w);
+    comm_err err = COMM_OK;
+    if (!ids || !host_of || !count || !v || !(ids[0] = strdup(mine))) {
+        err = comm_fail(c, COMM_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (int r = 1; r < w; r++) {
+        char key[32];
+        size_t len = 0;
+        snprintf(key, sizeof(key), "host/%d", r);
+        rdzv_err re =
+            rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), (void **)&ids[r], &len);
+        if (re != RDZV_OK) {
+            err = store_error(c, cfg->store, re, "waiting for the ranks' hosts");
+            goto out;
+        }
+    }
+    size_t k = (size_t)sprintf(v, "hosts");
+    for (int r = 0; r < w; r++) {
+        int j = 0;
+        while (j < r && strcmp(ids[j], ids[r]) != 0)
+            j++;
+        host_of[r] = j < r ? host_of[j] : nhosts++;
+        if (++count[host_of[r]] > SHM_MAX_RANKS) ring = 1;
+        k += (size_t)sprintf(v + k, " %d", host_of[r]);
+    }
+    if (ring) strcpy(v, "ring");
+    rdzv_err re = rdzv_store_set(cfg->store, "transport", v, strlen(v));
+    if (re != RDZV_OK) err = store_error(c, cfg->store, re, "publishing the transport");
+out:
+    for (int r = 0; ids && r < w; r++)
+        free(ids[r]);
+    free(ids);
+    free(host_of);
+    free(count);
+    free(v);
+    return err;
+}
+
+/* "hosts H0 H1 ..." into host_of (world entries): 0 or -1. */
+static int parse_hosts(const char *v, int w, int *host_of)
+{
+    if (strncmp(v, "hosts", 5) != 0) return -1;
+    const char *p = v + 5;
+    for (int r = 0; r < w; r++) {
+        char *end;
+        long h = strtol(p, &end, 10);
+        if (end == p || h < 0 || h > r) return -1;
+        host_of[r] = (int)h;
+        p = end;
+    }
+    return *p ? -1 : 0;
+}
+
+/* Every rank: publish the host, learn every rank's host index from rank 0
+ * (*host_of, world entries, malloc'd) or NULL when it chose the ring. */
+static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int **host_of)
+{
+    char host[160], key[32];
+    *host_of = NULL;
+    if (cfg->host_id)
+        snprintf(host, sizeof(host), "%s", cfg->host_id);
+    else if (shm_host_id(host, sizeof(host)) < 0)
+        snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
+    snprintf(key, sizeof(key), "host/%d", cfg->rank);
+    rdzv_err re = rdzv_store_set(cfg->store, key, host, strlen(host));
+    if (re != RDZV_OK) return store_error(c, cfg->store, re, "publishing the host");
+    if (cfg->rank == 0) {
+        comm_err err = cpu_decide(c, cfg, host, deadline);
+        if (err != COMM_OK) return err;
     }
     void *val = NULL;
     size_t len = 0;
     re = rdzv_store_wait(cfg->store, "transport", ring_ms_left(deadline), &val, &len);
-    if (re != RDZV_OK) return store_error(g, cfg->store, re, "waiting for rank 0's transport");
-    char name[64];
-    uint64_t nonce;
+    if (re != RDZV_OK) return store_error(c, cfg->store, re, "waiting for rank 0's transport");
     comm_err err = COMM_OK;
-    if (strcmp(val, "ring") == 0) {
-        if (cfg->transport == COMM_TRANSPORT_SHM)
-            err = comm_fail(&g->base, COMM_ERR_ARG,
-                            "shared memory needs every rank on this host; rank 0 chose the ring");
-        *use_ring = 1;
-    } else if (strcmp(val, "none") == 0) {
-        err = comm_fail(&g->base, COMM_ERR_ARG,
-                        "shared memory needs every rank on this host (rank 0 refused)");
-    } else if (sscanf(val, "shm %63s %" SCNx64, name, &nonce) == 2) {
-        if (cfg->transport == COMM_TRANSPORT_RING)
-            err = comm_fail(&g->base, COMM_ERR_ARG, "this rank wants the ring; rank 0 chose shm");
-        else
-            err = shm_join(g, name, nonce, deadline);
-    } else {
-        err = comm_fail(&g->base, COMM_ERR_STORE, "malformed transport '%s'", (char *)val);
+    if (strcmp(val, "ring") != 0) {
+        *host_of = malloc(sizeof(int) * (size_t)cfg->world_size);
+        if (!*host_of)
+            err = comm_fail(c, COMM_ERR_NOMEM, "out of memory");
+        else if (parse_hosts(val, cfg->world_size, *host_of) < 0)
+            err = comm_fail(c, COMM_ERR_STORE, "malformed transport '%.60s'", (char *)val);
+        if (err != COMM_OK) {
+            free(*host_of);
+            *host_of = NULL;
+        }
     }
     free(val);
+    return err;
+}
+
+/* Builds this rank's parts by host_of: the segment of its host (when it
+ * shares the host), and on a host's leader (its lowest rank) the ring
+ * among leaders; then the comm that joins them. */
+static comm_err cpu_build(comm *c, const comm_config *cfg, const int *host_of, int64_t deadline,
+                          comm **out, char *why)
+{
+    int w = cfg->world_size, me = cfg->rank, nhosts = 0, lrank = 0, lworld = 0;
+    for (int r = 0; r < w; r++) {
+        if (host_of[r] + 1 > nhosts) nhosts = host_of[r] + 1;
+        if (host_of[r] == host_of[me]) {
+            if (r < me) lrank++;
+            lworld++;
+        }
+    }
+    if (cfg->transport == COMM_TRANSPORT_SHM && nhosts > 1)
+        return comm_fail(c, COMM_ERR_ARG, "--comm shm needs every rank on one host (%d hosts)",
+                         nhosts);
+    if (nhosts == w) return comm_ring_init(cfg, out); /* one rank per host */
+    if (nhosts == 1) return shm_group(cfg, me, w, 0, deadline, out, why);
+    comm *local = NULL, *leaders = NULL;
+    comm_err err = COMM_OK;
+    if (lworld > 1) err = shm_group(cfg, lrank, lworld, host_of[me], deadline, &local, why);
+    if (err == COMM_OK && lrank == 0) {
+        comm_config lc = *cfg;
+        lc.rank = host_of[me];
+        lc.world_size = nhosts;
+        lc.msg = why;
+        err = comm_ring_init(&lc, &leaders);
+    }
+    if (err == COMM_OK) err = comm_hier_new(cfg, host_of, local, leaders, out);
+    if (err != COMM_OK) {
+        comm_free(local);
+        comm_free(leaders);
+    }
     return err;
 }
 
@@ -795,7 +902,7 @@ comm_err comm_shm_from_fds(const comm_config *cfg, int memfd, const int *peer_fd
     shm *g = NULL;
     *out = NULL;
     if (w >= 2 && w <= SHM_MAX_RANKS && cfg->rank >= 0 && cfg->rank < w &&
-        (err = shm_new(cfg, &g)) == COMM_OK) {
+        (err = shm_new(cfg, cfg->rank, w, &g)) == COMM_OK) {
         for (int r = 0; r < w; r++)
             if (r != cfg->rank) shm_add_peer(g, r, peer_fd[r]);
         err = shm_map(g, memfd, shm_seg_bytes(w));
@@ -821,22 +928,34 @@ comm_err comm_cpu_init(const comm_config *cfg, comm **out)
     if (cfg->world_size == 1 || cfg->transport == COMM_TRANSPORT_RING)
         return comm_ring_init(cfg, out);
     if (!cfg->store) return comm_init_failed(cfg, COMM_ERR_ARG, "no round store");
-    shm *g = NULL;
-    comm_err err = shm_new(cfg, &g);
+    /* A comm of its own for the bootstrap's errors: the one built may be
+     * a ring, a segment or both. */
+    shm *boot = NULL;
+    comm_err err = shm_new(cfg, cfg->rank, cfg->world_size, &boot);
     if (err != COMM_OK) return comm_init_failed(cfg, err, NULL);
-    int use_ring = 0;
-    err = shm_bootstrap(g, cfg, &use_ring);
-    /* Every rank has its segment: the first barrier says all mapped it. */
-    if (err == COMM_OK && !use_ring) err = shm_barrier_wait(g);
-    if (err != COMM_OK) {
-        comm_init_failed(cfg, err, g->base.last_error);
-        shm_destroy(&g->base);
-        return err;
+    char why[COMM_MSG_MAX] = "";
+    int *host_of = NULL;
+    int64_t deadline = mono_now_ms() + boot->timeout_ms;
+    if (ring_failpoint("shm.connect", "fail"))
+        err = comm_fail(&boot->base, COMM_ERR_TIMEOUT,
+                        "the ranks did not meet (failpoint shm.connect)");
+    else
+        err = cpu_hosts(&boot->base, cfg, deadline, &host_of);
+    if (err == COMM_OK && !host_of) {
+        if (cfg->transport == COMM_TRANSPORT_SHM)
+            err = comm_fail(&boot->base, COMM_ERR_ARG,
+                            "--comm shm: rank 0 chose the ring (a host has over %d ranks)",
+                            SHM_MAX_RANKS);
+        else
+            err = comm_ring_init(cfg, out); /* says why in cfg->msg itself */
+    } else if (err == COMM_OK) {
+        err = cpu_build(&boot->base, cfg, host_of, deadline, out, why);
     }
-    if (use_ring) {
-        shm_destroy(&g->base);
-        return comm_ring_init(cfg, out);
-    }
-    *out = &g->base;
-    return COMM_OK;
+    if (err != COMM_OK && boot->base.last_error[0])
+        comm_init_failed(cfg, err, boot->base.last_error);
+    else if (err != COMM_OK && why[0])
+        comm_init_failed(cfg, err, why);
+    free(host_of);
+    shm_destroy(&boot->base);
+    return err;
 }

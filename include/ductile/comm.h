@@ -62,7 +62,10 @@ typedef struct comm_config {
     size_t chunk_bytes;       /* ring pipeline chunk (default 256 KiB) */
     int device;               /* NCCL: CUDA device ordinal */
     comm_transport transport; /* comm_cpu_init's choice; every rank of a job gives the same */
-    char *msg;                /* optional, COMM_MSG_MAX bytes: why an init failed */
+    /* comm_cpu_init: which host this rank is on (NULL: this kernel's boot
+     * id and network namespace); tests name hosts to make several on one. */
+    const char *host_id;
+    char *msg; /* optional, COMM_MSG_MAX bytes: why an init failed */
     /* Optional: polled while an init waits (NCCL's), 1 to give up at once
      * with COMM_ERR_ABORTED: the round being built has already ended (an
      * in-place rebuild's control thread answers it), so no peer is coming. */
@@ -75,10 +78,12 @@ typedef struct comm comm;
 /* CPU: TCP ring. On failure *out is NULL and cfg->msg, when set, says why
  * in one line. */
 comm_err comm_ring_init(const comm_config *cfg, comm **out);
-/* CPU: shared memory (comm_shm.c) when every rank shares this host (the
+/* CPU: shared memory (comm_shm.c) when every rank shares one host (the
  * same kernel and network namespace, decided by rank 0 from what each rank
- * publishes in the round store), the TCP ring otherwise; cfg->transport
- * forces either. Fails as comm_ring_init does. */
+ * publishes in the round store), the TCP ring when every rank is on a host
+ * of its own, and both (comm_hier.c: shared memory on each host, the ring
+ * among one leader per host) in between; cfg->transport forces the ring
+ * or shared memory alone. Fails as comm_ring_init does. */
 comm_err comm_cpu_init(const comm_config *cfg, comm **out);
 /* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). Fails as
  * comm_ring_init does. */

@@ -1,15 +1,17 @@
 /* test_comm_ring.c: the CPU collectives, one real process per rank.
  *
- *   test_comm_ring [--pairs|--shm] [CASE...]
+ *   test_comm_ring [--pairs|--shm|--hier] [CASE...]
  *
  * By default every ring is bootstrapped through the round store of a real
  * etcd (DUCTILE_TEST_ETCD, or a private one started here) over 127.0.0.1;
  * --pairs builds the rings over socketpairs instead, to test the ring core
  * alone; --shm runs the same cases over shared memory (comm_cpu_init with
  * every rank on this host), plus its own: a rebuild in a new round with
- * fewer ranks, and a segment that never touches /dev/shm. Inputs are small integers, so float sums
- * are exact and results are compared bit for bit. Failure cases kill (SIGKILL), stop (SIGSTOP) or
- * abort a rank and check what every other rank gets back, and how soon.
+ * fewer ranks, and a segment that never touches /dev/shm; --hier runs them
+ * with rank r saying it is on host r % 2 (comm_config.host_id): shared
+ * memory on each "host", the ring between them (two ranks: the ring). Inputs are small integers, so
+ * float sums are exact and results are compared bit for bit. Failure cases kill (SIGKILL), stop
+ * (SIGSTOP) or abort a rank and check what every other rank gets back, and how soon.
  */
 #include "test_comm_launch.h"
 #include "test_etcd.h"
@@ -30,7 +32,8 @@
 #include <unistd.h>
 
 static const char *g_etcd; /* NULL: socketpairs */
-static int g_shm;          /* --shm */
+static int g_shm;          /* --shm or --hier */
+static int g_hosts;        /* --hier: 2 */
 
 /* A group for one case: a job of its own, round 1 current. A group that
  * cannot be made counts as a failed check. */
@@ -38,6 +41,7 @@ static int group_open(tc_group *g, int world)
 {
     if (tc_group_open(g, world, g_etcd, "comm-test") == 0) {
         g->shm = g_shm;
+        g->hosts = g_hosts;
         return 0;
     }
     check_fail();
@@ -605,7 +609,7 @@ static int rank_rebuild(tc_group *g, int rank, void *arg)
 
 static void test_rebuild(void)
 {
-    if (!g_shm) return;
+    if (!g_shm || g_hosts) return;
     tc_group g;
     if (group_open(&g, 3) != 0) return;
     CHECK(tc_run(&g, rank_rebuild, NULL, 60) == 0, "rebuild in a new round");
@@ -620,6 +624,10 @@ int main(int argc, char **argv)
         first++;
     } else if (first < argc && strcmp(argv[first], "--shm") == 0) {
         g_shm = 1;
+        first++;
+    } else if (first < argc && strcmp(argv[first], "--hier") == 0) {
+        g_shm = 1;
+        g_hosts = 2;
         first++;
     }
     /* SIGPIPE stays at its default (fatal): the ring must never raise it. */
@@ -639,9 +647,10 @@ int main(int argc, char **argv)
         {"rebuild", test_rebuild},
     };
     th_run_cases(cases, TH_COUNT(cases), argc, argv, first,
-                 pairs   ? "socketpairs"
-                 : g_shm ? "shm"
-                         : "store");
+                 pairs     ? "socketpairs"
+                 : g_hosts ? "hier"
+                 : g_shm   ? "shm"
+                           : "store");
     test_etcd_stop(&etcd);
     return check_finish("test_comm_ring");
 }
