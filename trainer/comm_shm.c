@@ -25,16 +25,18 @@
  * poll() says POLLHUP. This works across PID namespaces (containers that
  * share a network namespace) where pidfds would not.
  *
- * Bootstrap (comm_cpu_init): every rank publishes "host/<rank>" in the round
- * store: the boot id and the network namespace's inode, which together say
- * "same kernel, same abstract socket namespace". Rank 0 reads them all and
- * publishes the decision as "transport": "shm NAME NONCE" when all match,
- * "ring" when not. On shm, rank 0 listens on the abstract AF_UNIX socket
- * NAME (random, so rounds and jobs never collide; abstract names vanish
- * with the process) and each other rank connects, proves it read the
- * store by echoing NONCE, and gets back by SCM_RIGHTS the memfd and its
- * ends of the socket pairs. The connection to rank 0 is that pair's
- * liveness socket.
+ * Bootstrap (comm_cpu_init): every rank publishes "host/<rank>" in the
+ * round store: the boot id and the network namespace's inode, which
+ * together say "same kernel, same abstract socket namespace". Rank 0 reads
+ * them all and publishes "transport": every rank's host index, or "ring".
+ * One host: shared memory alone; a host each: the ring; else both
+ * (comm_hier.c). A host's leader (its lowest rank) makes the segment,
+ * listens on an abstract AF_UNIX socket (a random name, so rounds and jobs
+ * never collide; abstract names vanish with the process) and publishes it
+ * with a nonce as "shm/<host>"; each other rank of the host connects,
+ * proves it read the store by echoing the nonce, and gets back by
+ * SCM_RIGHTS the memfd and its ends of the socket pairs. The connection to
+ * the leader is that pair's liveness socket.
  *
  * Failpoints (ductile/failpoint.h): shm.collective (counted per collective
  * that reaches the segment) with action closed fails it as a dead peer
