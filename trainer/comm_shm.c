@@ -241,21 +241,49 @@ static size_t min_sz(size_t a, size_t b)
     return a < b ? a : b;
 }
 
-/* Sums slice `rank` of the W slots of chunk k (n floats) into the result. */
-static void shm_reduce(shm *g, int set, size_t n)
+/* This rank's slice of an n-float chunk: W nearly equal parts. */
+static void shm_slice(const shm *g, size_t n, size_t *first, size_t *len)
 {
+    size_t w = (size_t)g->base.world_size, r = (size_t)g->base.rank;
+    size_t base = n / w, rem = n % w;
+    *first = r * base + (r < rem ? r : rem);
+    *len = base + (r < rem ? 1 : 0);
+}
+
+/* Copies an n-float chunk except this rank's slice (which it never posts
+ * nor takes: it reads and writes its own buffer there). */
+static void copy_but_slice(const shm *g, float *dst, const float *src, size_t n)
+{
+    size_t first, len;
+    shm_slice(g, n, &first, &len);
+    memcpy(dst, src, first * sizeof(float));
+    memcpy(dst + first + len, src + first + len, (n - first - len) * sizeof(float));
+}
+
+/* Sums this rank's slice of chunk k (n floats at buf) over all ranks, in
+ * rank order (its own part read from buf), into the result slot and buf. */
+static void shm_reduce(shm *g, int set, float *buf, size_t n)
+{
+    enum { BLOCK = 2048 }; /* floats: the partial sum stays in L1 */
     int w = g->base.world_size, r = g->base.rank;
-    size_t base = n / (size_t)w, rem = n % (size_t)w, ur = (size_t)r;
-    size_t first = ur * base + (ur < rem ? ur : rem), len = base + (ur < rem ? 1 : 0);
-    float *out = (float *)shm_slot(g, set, w) + first;
-    const float *in0 = (const float *)shm_slot(g, set, 0) + first;
-    const float *in1 = (const float *)shm_slot(g, set, 1) + first;
-    for (size_t i = 0; i < len; i++)
-        out[i] = in0[i] + in1[i];
-    for (int j = 2; j < w; j++) {
-        const float *in = (const float *)shm_slot(g, set, j) + first;
-        for (size_t i = 0; i < len; i++)
-            out[i] += in[i];
+    size_t first, len;
+    shm_slice(g, n, &first, &len);
+    float *res = (float *)shm_slot(g, set, w) + first;
+    const float *in[SHM_MAX_RANKS];
+    for (int j = 0; j < w; j++)
+        in[j] = j == r ? buf + first : (const float *)shm_slot(g, set, j) + first;
+    for (size_t b = 0; b < len; b += BLOCK) {
+        size_t m = min_sz(BLOCK, len - b);
+        float *out = res + b;
+        const float *a0 = in[0] + b, *a1 = in[1] + b;
+        for (size_t i = 0; i < m; i++)
+            out[i] = a0[i] + a1[i];
+        for (int j = 2; j < w; j++) {
+            const float *aj = in[j] + b;
+            for (size_t i = 0; i < m; i++)
+                out[i] += aj[i];
+        }
+        memcpy(buf + first + b, out, m * sizeof(float));
     }
 }
 
@@ -266,7 +294,7 @@ static void shm_post(shm *g, const shm_plan *p, size_t k)
     size_t off = k * p->chunk, n = min_sz(p->chunk, p->count - off);
     switch (p->op) {
     case OP_ALLREDUCE:
-        memcpy(shm_slot(g, set, r), p->buf + off * sizeof(float), n * sizeof(float));
+        copy_but_slice(g, (float *)shm_slot(g, set, r), (const float *)p->buf + off, n);
         break;
     case OP_BROADCAST:
         if (r == p->root) memcpy(shm_slot(g, set, 0), p->buf + off, n);
@@ -286,9 +314,12 @@ static void shm_take(shm *g, const shm_plan *p, size_t k)
     case OP_ALLREDUCE:
         if (k > 0) {
             size_t off = (k - 1) * p->chunk, n = min_sz(p->chunk, p->count - off);
-            memcpy(p->buf + off * sizeof(float), shm_slot(g, set ^ 1, w), n * sizeof(float));
+            copy_but_slice(g, (float *)p->buf + off, (const float *)shm_slot(g, set ^ 1, w), n);
         }
-        if (k < p->nchunks) shm_reduce(g, set, min_sz(p->chunk, p->count - k * p->chunk));
+        if (k < p->nchunks) {
+            size_t off = k * p->chunk;
+            shm_reduce(g, set, (float *)p->buf + off, min_sz(p->chunk, p->count - off));
+        }
         break;
     case OP_BROADCAST:
         if (k < p->nchunks && r != p->root) {
