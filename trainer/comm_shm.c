@@ -74,7 +74,7 @@
 #include <unistd.h>
 
 #define SHM_MAX_RANKS 64
-#define SHM_SLOT (512u * 1024u) /* bytes per rank per chunk */
+#define SHM_SLOT (128u * 1024u) /* bytes per rank per chunk */
 #define SHM_SPIN 200            /* polls of the generation before yielding */
 #define SHM_YIELDS 50           /* sched_yield()s before sleeping */
 #define SHM_SLICE_MS 50         /* a sleeping waiter checks its peers this often */
