@@ -485,23 +485,12 @@ static socklen_t shm_sockaddr(const char *name, struct sockaddr_un *sa)
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
 }
 
-static int wait_fd(int fd, short events, int64_t deadline)
-{
-    for (;;) {
-        struct pollfd pfd = {fd, events, 0};
-        int n = poll(&pfd, 1, ring_ms_left(deadline));
-        if (n > 0) return 1;
-        if (n == 0) return 0;
-        if (errno != EINTR) return -1;
-    }
-}
-
 /* Reads exactly len bytes (and, when fds is set, up to nfds descriptors
  * with them) before the deadline: 0 or an errno. */
 static int recv_msg(int fd, void *buf, size_t len, int *fds, int nfds, int64_t deadline)
 {
     for (;;) {
-        int w = wait_fd(fd, POLLIN, deadline);
+        int w = ring_wait_fd(fd, POLLIN, deadline);
         if (w == 0) return ETIMEDOUT;
         if (w < 0) return errno;
         union {
@@ -614,7 +603,7 @@ static comm_err shm_serve(shm *g, int lfd, uint64_t nonce, int64_t deadline)
             }
     int joined = 0, rejected = 0;
     while (joined < w - 1) {
-        int x = wait_fd(lfd, POLLIN, deadline);
+        int x = ring_wait_fd(lfd, POLLIN, deadline);
         if (x <= 0) {
             err = shm_fail(g, x == 0 ? COMM_ERR_TIMEOUT : COMM_ERR_SYS,
                            "%d of %d local ranks connected (%d stray connections refused)", joined,

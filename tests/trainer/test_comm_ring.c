@@ -555,28 +555,15 @@ static void test_single(void)
 
 /* ---- shared memory only ---- */
 
-/* 1 when this process maps or holds anything under /dev/shm. */
-static int uses_dev_shm(void)
+/* 1 when a line of this process's memory map holds `what`. */
+static int maps(const char *what)
 {
     char line[512];
     FILE *f = fopen("/proc/self/maps", "re");
-    if (!f) return 1;
+    if (!f) return -1;
     int found = 0;
     while (fgets(line, sizeof(line), f))
-        if (strstr(line, " /dev/shm/")) found = 1;
-    fclose(f);
-    return found;
-}
-
-/* 1 when this process maps the communicator's memfd. */
-static int maps_memfd(void)
-{
-    char line[512];
-    FILE *f = fopen("/proc/self/maps", "re");
-    if (!f) return 0;
-    int found = 0;
-    while (fgets(line, sizeof(line), f))
-        if (strstr(line, "/memfd:ductile-shm")) found = 1;
+        if (strstr(line, what)) found = 1;
     fclose(f);
     return found;
 }
@@ -585,8 +572,8 @@ static int rank_rebuild(tc_group *g, int rank, void *arg)
 {
     (void)arg;
     comm *c = tc_connect_or_exit(g, rank);
-    CHECK_OR_RETURN(maps_memfd(), "rank %d: no memfd segment mapped", rank);
-    CHECK_OR_RETURN(!uses_dev_shm(), "rank %d: something under /dev/shm is mapped", rank);
+    CHECK_OR_RETURN(maps("/memfd:ductile-shm") == 1, "rank %d: no memfd segment mapped", rank);
+    CHECK_OR_RETURN(maps(" /dev/shm/") == 0, "rank %d: something under /dev/shm is mapped", rank);
     float buf[3] = {1, 2, 3};
     CHECK_OR_RETURN(comm_allreduce_sum_f32(c, buf, 3) == COMM_OK && buf[2] == 3.0f * 3,
                     "round 1 allreduce: %s", comm_last_error(c));
@@ -602,7 +589,7 @@ static int rank_rebuild(tc_group *g, int rank, void *arg)
     buf[0] = (float)rank;
     CHECK_OR_RETURN(comm_allreduce_sum_f32(c, buf, 1) == COMM_OK && buf[0] == 1.0f,
                     "round 2 allreduce: %s (%g)", comm_last_error(c), (double)buf[0]);
-    CHECK_OR_RETURN(!uses_dev_shm(), "rank %d: something under /dev/shm is mapped", rank);
+    CHECK_OR_RETURN(maps(" /dev/shm/") == 0, "rank %d: something under /dev/shm is mapped", rank);
     comm_free(c);
     return 0;
 }
