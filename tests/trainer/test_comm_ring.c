@@ -27,7 +27,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <stddef.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -492,8 +495,99 @@ static int rank_stray(tc_group *g, int rank, void *arg)
     return 0;
 }
 
+/* Shared memory: connects to the socket rank 0 published for the segment
+ * and sends `len` bytes; the fd, or -1 once rank 0 no longer listens. */
+static int shm_stray_connect(tc_group *g, const void *bytes, size_t len)
+{
+    rdzv_etcd e = {0};
+    e.endpoints = g->etcd;
+    rdzv_store *s = NULL;
+    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return -1;
+    void *val = NULL;
+    size_t vlen = 0;
+    rdzv_err re = rdzv_store_wait(s, "shm/0", 10000, &val, &vlen);
+    rdzv_store_close(s);
+    if (re != RDZV_OK) return -1;
+    struct sockaddr_un sa = {0};
+    sa.sun_family = AF_UNIX;
+    size_t n = strcspn(val, " ");
+    if (n >= sizeof(sa.sun_path) - 1) n = 0;
+    memcpy(sa.sun_path + 1, val, n); /* abstract */
+    free(val);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) < 0 ||
+        send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Ranks 0 and 1 of three; rank 2 only says where it is, and never comes,
+ * so rank 0 is still taking connections when the strays arrive. */
+static int rank_stray_shm(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    if (rank == 2) {
+        rdzv_etcd e = {0};
+        e.endpoints = g->etcd;
+        rdzv_store *s = NULL;
+        CHECK_OR_RETURN(rdzv_store_open(&e, g->job, g->round, &s) == RDZV_OK, "store");
+        rdzv_err re = rdzv_store_set(s, "host/2", "test-host-0", strlen("test-host-0"));
+        rdzv_store_close(s);
+        CHECK_OR_RETURN(re == RDZV_OK, "host/2");
+        return 0;
+    }
+    comm *c = NULL;
+    comm_err err = tc_connect(g, rank, &c);
+    /* Rank 0 waits out its deadline; rank 1 sees it give up, or waits too. */
+    CHECK_OR_RETURN(!c && (err == COMM_ERR_TIMEOUT || (rank == 1 && err == COMM_ERR_PEER)),
+                    "rank %d without rank 2: %s", rank, comm_strerror(err));
+    return 0;
+}
+
+/* Strays at rank 0's segment socket (a hello with the wrong nonce, then
+ * garbage) are closed without the segment. */
+static void test_stray_shm(void)
+{
+    tc_group g;
+    if (group_open(&g, 3) != 0) return;
+    g.timeout_ms = 3000;
+    g.hosts = 1; /* "test-host-0", which rank 2 names too */
+    if (tc_spawn(&g, rank_stray_shm, NULL) != 0) {
+        check_fail();
+        return;
+    }
+    struct {
+        uint64_t magic;
+        uint32_t rank, world;
+        uint64_t nonce;
+    } hello = {0x4f4c4c45484d4853ull, 2, 3, 0x1234}; /* "SHMHELLO" */
+    static const char junk[24] = "GET / HTTP/1.0\r\n\r\n";
+    int strays[2] = {shm_stray_connect(&g, &hello, sizeof(hello)),
+                     shm_stray_connect(&g, junk, sizeof(junk))};
+    for (int i = 0; i < 2; i++) {
+        CHECK(strays[i] >= 0, "stray %d could not connect", i);
+        if (strays[i] < 0) continue;
+        struct pollfd pfd = {strays[i], POLLIN, 0};
+        CHECK(poll(&pfd, 1, 5000) == 1, "stray %d: rank 0 neither answered nor closed", i);
+        char b[64], ctl[256];
+        struct iovec iov = {b, sizeof(b)};
+        struct msghdr m = {
+            .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof(ctl)};
+        ssize_t k = recvmsg(strays[i], &m, MSG_DONTWAIT);
+        CHECK(k <= 0 && m.msg_controllen == 0, "stray %d got %zd bytes, %zu of descriptors", i, k,
+              (size_t)m.msg_controllen);
+        close(strays[i]);
+    }
+    CHECK(tc_wait(&g, 60, NULL) == 0, "ranks without rank 2");
+    tc_group_free(&g);
+}
+
 static void test_stray(void)
 {
+    if (g_etcd && g_shm && !g_hosts) test_stray_shm();
     if (!g_etcd || g_shm) return; /* the ring's TCP listener */
     tc_group g;
     if (group_open(&g, 2) != 0) return;
