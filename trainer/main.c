@@ -729,8 +729,11 @@ static loop_state trainer_regroup(trainer *t, const char *why)
         }
         t->start_step = start_step;
         t->start_samples = start_samples;
-        say(t, "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld",
-            (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch);
+        say(t,
+            "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld, "
+            "collectives over %s",
+            (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch,
+            comm_backend(t->g.comm));
         elastic_set_phase(t->el, ELASTIC_PHASE_COMPUTE);
         return LOOP_TRAIN;
     }
@@ -886,9 +889,11 @@ static int trainer_start(trainer *t, int argc, char **argv, int *status)
     }
     char desc[256];
     model_describe(&t->o.cfg, desc, sizeof(desc));
-    say(t, "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s", desc,
-        t->m->nfloats, ddp_bucket_count(t->r), t->train.n, t->g.world, (long long)t->g.round,
-        t->m->dev ? "cuda" : "cpu");
+    say(t,
+        "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s, "
+        "collectives over %s",
+        desc, t->m->nfloats, ddp_bucket_count(t->r), t->train.n, t->g.world, (long long)t->g.round,
+        t->m->dev ? "cuda" : "cpu", comm_backend(t->g.comm));
     return 0;
 }
 

@@ -90,6 +90,8 @@ comm_err comm_cpu_init(const comm_config *cfg, comm **out);
 comm_err comm_nccl_init(const comm_config *cfg, comm **out);
 
 int comm_rank(const comm *c);
+/* What carries the collectives: "ring", "shm", "hier" or "nccl" ("none" for NULL). */
+const char *comm_backend(const comm *c);
 int comm_world_size(const comm *c);
 
 /* In-place sum of n floats across all ranks. */

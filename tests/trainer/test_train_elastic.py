@@ -179,6 +179,7 @@ def case_peer(tmp):
         j.finish()
         j.no_failed()
         check("round 2: world 2, rebuilt in place" in j.workers[0].log(), "no rebuild logged")
+        check("collectives over shm" in j.workers[0].log(), "not over shared memory")
     finally:
         j.stop()
 
