@@ -602,6 +602,11 @@ def sc_netns(env, mode, ref):
             log("link of node 'cut' up again")
             link.link(up=True)
             verify(job, ref, expect_fail=("cut",))
+            # Rounds of all three: two ranks share the root namespace, the
+            # cut node has its own: shared memory there, the ring between
+            # (trainer/comm_hier.c); rank 0 says so.
+            check(any("collectives over hier" in a.text() for a in job.agents.values()),
+                  "no round of three was hierarchical")
             after = cut.text()[mark:]
             check("ductile-train: checkpoint" not in after,
                   "the cut-off node saved a checkpoint after it was cut off")

@@ -437,18 +437,36 @@ static void test_abort(void)
 
 /* ---- stray connections at bootstrap (store only) ---- */
 
-/* Connects to the address rank 1 published and sends `len` bytes. */
-static int stray_connect(tc_group *g, const void *bytes, size_t len)
+/* The value of key in g's round store once it is there (malloc'd), or NULL. */
+static char *store_value(tc_group *g, const char *key)
 {
     rdzv_etcd e = {0};
     e.endpoints = g->etcd;
     rdzv_store *s = NULL;
-    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return -1;
+    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return NULL;
     void *val = NULL;
     size_t vlen = 0;
-    rdzv_err re = rdzv_store_wait(s, "ring/1", 10000, &val, &vlen);
+    rdzv_err re = rdzv_store_wait(s, key, 10000, &val, &vlen);
     rdzv_store_close(s);
-    if (re != RDZV_OK) return -1;
+    return re == RDZV_OK ? val : NULL;
+}
+
+/* Connects a stream socket to sa and sends `len` bytes: the fd, or -1. */
+static int connect_send(const void *sa, socklen_t sl, const void *bytes, size_t len)
+{
+    int fd = socket(((const struct sockaddr *)sa)->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, sa, sl) < 0 || send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Connects to the address rank 1 published and sends `len` bytes. */
+static int stray_connect(tc_group *g, const void *bytes, size_t len)
+{
+    char *val = store_value(g, "ring/1");
+    if (!val) return -1;
     char *colon = strrchr(val, ':');
     int port = colon ? atoi(colon + 1) : 0;
     free(val);
@@ -456,13 +474,7 @@ static int stray_connect(tc_group *g, const void *bytes, size_t len)
     sa.sin_family = AF_INET;
     sa.sin_port = htons((uint16_t)port);
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
-        send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
-        if (fd >= 0) close(fd);
-        return -1;
-    }
-    return fd;
+    return connect_send(&sa, sizeof(sa), bytes, len);
 }
 
 static int rank_stray(tc_group *g, int rank, void *arg)
@@ -499,29 +511,16 @@ static int rank_stray(tc_group *g, int rank, void *arg)
  * and sends `len` bytes; the fd, or -1 once rank 0 no longer listens. */
 static int shm_stray_connect(tc_group *g, const void *bytes, size_t len)
 {
-    rdzv_etcd e = {0};
-    e.endpoints = g->etcd;
-    rdzv_store *s = NULL;
-    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return -1;
-    void *val = NULL;
-    size_t vlen = 0;
-    rdzv_err re = rdzv_store_wait(s, "shm/0", 10000, &val, &vlen);
-    rdzv_store_close(s);
-    if (re != RDZV_OK) return -1;
+    char *val = store_value(g, "shm/0");
+    if (!val) return -1;
     struct sockaddr_un sa = {0};
     sa.sun_family = AF_UNIX;
     size_t n = strcspn(val, " ");
     if (n >= sizeof(sa.sun_path) - 1) n = 0;
     memcpy(sa.sun_path + 1, val, n); /* abstract */
     free(val);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sl) < 0 ||
-        send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
-        if (fd >= 0) close(fd);
-        return -1;
-    }
-    return fd;
+    return connect_send(&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n), bytes,
+                        len);
 }
 
 /* Ranks 0 and 1 of three; rank 2 only says where it is, and never comes,
