@@ -114,6 +114,7 @@ typedef struct shm {
     uint32_t nbar; /* barriers this rank has entered */
     uint64_t seq;
     int peer_fd[SHM_MAX_RANKS]; /* liveness: -1 for this rank */
+    int grank[SHM_MAX_RANKS];   /* the job's rank of each (one host's ranks under comm_hier.c) */
     struct pollfd pfd[SHM_MAX_RANKS];
     int npfd;
 } shm;
@@ -149,6 +150,12 @@ static void shm_poison(shm *g)
 static comm_err shm_fail(shm *g, comm_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* The job's rank of local rank r, for messages. */
+static int job_rank(const shm *g, int r)
+{
+    return r >= 0 && r < SHM_MAX_RANKS ? g->grank[r] : r;
+}
+
 static comm_err shm_fail(shm *g, comm_err err, const char *fmt, ...)
 {
     char line[200];
@@ -158,8 +165,8 @@ static comm_err shm_fail(shm *g, comm_err err, const char *fmt, ...)
     va_end(ap);
     if (g->h) shm_poison(g);
     if (comm_is_aborted(&g->base))
-        return comm_fail(&g->base, COMM_ERR_ABORTED, "rank %d: aborted", g->base.rank);
-    return comm_fail(&g->base, err, "rank %d: %s", g->base.rank, line);
+        return comm_fail(&g->base, COMM_ERR_ABORTED, "rank %d: aborted", job_rank(g, g->base.rank));
+    return comm_fail(&g->base, err, "rank %d: %s", job_rank(g, g->base.rank), line);
 }
 
 /* 1 when generation v has reached k (wrap-safe). */
@@ -173,14 +180,17 @@ static comm_err shm_check(shm *g, int64_t deadline)
 {
     if (comm_is_aborted(&g->base)) return shm_fail(g, COMM_ERR_ABORTED, "aborted");
     unsigned d = atomic_load(&g->h->dead);
-    if (d) return shm_fail(g, COMM_ERR_PEER, "rank %u failed or aborted its collective", d - 1);
+    if (d)
+        return shm_fail(g, COMM_ERR_PEER, "rank %d failed or aborted its collective",
+                        job_rank(g, (int)d - 1));
     if (poll(g->pfd, (nfds_t)g->npfd, 0) > 0)
         for (int i = 0; i < g->npfd; i++)
             if (g->pfd[i].revents) {
                 int r = 0;
                 for (; r < g->base.world_size; r++)
                     if (g->peer_fd[r] == g->pfd[i].fd) break;
-                return shm_fail(g, COMM_ERR_PEER, "rank %d died or closed its communicator", r);
+                return shm_fail(g, COMM_ERR_PEER, "rank %d died or closed its communicator",
+                                job_rank(g, r));
             }
     if (mono_now_ms() >= deadline)
         return shm_fail(g, COMM_ERR_TIMEOUT, "no progress for %d ms (a peer is silent)",
@@ -355,8 +365,8 @@ static comm_err shm_agree(shm *g)
                             "collective mismatch: rank %d is in %s #%" PRIu64 " of %" PRIu64
                             " bytes (root %u), this "
                             "rank in %s #%" PRIu64 " of %" PRIu64 " bytes (root %u)",
-                            j, op_name(d->op), d->seq, d->size, d->root, op_name(me->op), me->seq,
-                            me->size, me->root);
+                            job_rank(g, j), op_name(d->op), d->seq, d->size, d->root,
+                            op_name(me->op), me->seq, me->size, me->root);
     }
     return COMM_OK;
 }
@@ -632,7 +642,8 @@ static comm_err shm_serve(shm *g, int lfd, uint64_t nonce, int64_t deadline)
         int e = send_msg(fd, &an, sizeof(an), fds, n);
         if (e != 0) {
             close(fd);
-            err = shm_fail(g, COMM_ERR_PEER, "handing rank %d the segment: %s", r, strerror(e));
+            err = shm_fail(g, COMM_ERR_PEER, "handing rank %d the segment: %s", job_rank(g, r),
+                           strerror(e));
             goto out;
         }
         for (int j = 1; j < w; j++) { /* r holds its ends now */
@@ -706,8 +717,10 @@ static comm_err shm_new(const comm_config *cfg, int rank, int world, shm **out)
     if (!g) return COMM_ERR_NOMEM;
     comm_base_init(&g->base, &shm_ops, rank, world);
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : SHM_DEFAULT_TIMEOUT_MS;
-    for (int r = 0; r < SHM_MAX_RANKS; r++)
+    for (int r = 0; r < SHM_MAX_RANKS; r++) {
         g->peer_fd[r] = -1;
+        g->grank[r] = r;
+    }
     *out = g;
     return COMM_OK;
 }
@@ -734,14 +747,17 @@ static comm_err shm_listen(shm *g, rdzv_store *store, int host, int *lfd, uint64
     return COMM_OK;
 }
 
-/* One host's ranks (lrank of lworld) build their segment: the leader
- * (lrank 0) serves it, the others join. On failure *why says why. */
-static comm_err shm_group(const comm_config *cfg, int lrank, int lworld, int host, int64_t deadline,
-                          comm **out, char *why)
+/* One host's ranks (lrank of lworld; the job's ranks r with host_of[r] ==
+ * host) build their segment: the leader (lrank 0) serves it, the others
+ * join. On failure *why says why. */
+static comm_err shm_group(const comm_config *cfg, const int *host_of, int lrank, int lworld,
+                          int host, int64_t deadline, comm **out, char *why)
 {
     shm *g = NULL;
     comm_err err = shm_new(cfg, lrank, lworld, &g);
     if (err != COMM_OK) return err;
+    for (int r = 0, j = 0; r < cfg->world_size && j < SHM_MAX_RANKS; r++)
+        if (host_of[r] == host) g->grank[j++] = r;
     if (lrank == 0) {
         int lfd = -1;
         uint64_t nonce = 0;
@@ -893,10 +909,11 @@ static comm_err cpu_build(comm *c, const comm_config *cfg, const int *host_of, i
         return comm_fail(c, COMM_ERR_ARG, "--comm shm needs every rank on one host (%d hosts)",
                          nhosts);
     if (nhosts == w) return comm_ring_init(cfg, out); /* one rank per host */
-    if (nhosts == 1) return shm_group(cfg, me, w, 0, deadline, out, why);
+    if (nhosts == 1) return shm_group(cfg, host_of, me, w, 0, deadline, out, why);
     comm *local = NULL, *leaders = NULL;
     comm_err err = COMM_OK;
-    if (lworld > 1) err = shm_group(cfg, lrank, lworld, host_of[me], deadline, &local, why);
+    if (lworld > 1)
+        err = shm_group(cfg, host_of, lrank, lworld, host_of[me], deadline, &local, why);
     if (err == COMM_OK && lrank == 0) {
         comm_config lc = *cfg;
         lc.rank = host_of[me];
