@@ -88,6 +88,11 @@ int comm_rank(const comm *c)
     return c ? c->rank : -1;
 }
 
+const char *comm_backend(const comm *c)
+{
+    return c ? c->ops->name : "none";
+}
+
 int comm_world_size(const comm *c)
 {
     return c ? c->world_size : 0;

@@ -13,7 +13,7 @@
 #include "ductile/comm.h"
 
 typedef struct comm_ops {
-    const char *name; /* "ring", "nccl" */
+    const char *name; /* "ring", "shm", "hier", "nccl" */
     comm_err (*allreduce_sum_f32)(comm *c, float *buf, size_t n);
     comm_err (*broadcast)(comm *c, void *buf, size_t bytes, int root);
     comm_err (*allgather)(comm *c, const void *send, size_t bytes, void *recv);
@@ -56,5 +56,20 @@ int comm_is_aborted(const comm *c);
  * from rank-1, right: sends to rank+1; AF_UNIX socketpairs work too). Takes
  * ownership of both fds, also on failure. */
 comm_err comm_ring_from_fds(const comm_config *cfg, int left_fd, int right_fd, comm **out);
+
+/* comm_cpu_init's hierarchical comm for ranks on several hosts, some
+ * shared: host_of[r] is rank r's host index (0..H-1, a host's leader is its
+ * lowest rank); local is the shared-memory comm of this rank's host (NULL
+ * when it is alone there), leaders the ring among the leaders (only on a
+ * leader). Takes ownership of both only on success. */
+comm_err comm_hier_new(const comm_config *cfg, const int *host_of, comm *local, comm *leaders,
+                       comm **out);
+
+/* Test and bench hook: shared memory without a store. memfd is a zeroed
+ * segment of comm_shm_bytes(world) bytes (mapped here, not owned);
+ * peer_fd[r] is a connected stream socket to rank r, or -1 at this rank
+ * (owned, also on failure). Returns once every rank has joined. */
+size_t comm_shm_bytes(int world);
+comm_err comm_shm_from_fds(const comm_config *cfg, int memfd, const int *peer_fd, comm **out);
 
 #endif

@@ -48,6 +48,10 @@ int ring_failpoint(const char *name, const char *action);
  * 0 once past, capped at 1000000. */
 int ring_ms_left(int64_t deadline);
 
+/* Waits for events on fd until the deadline (mono_now_ms() time): 1 ready,
+ * 0 timed out, -1 error (errno). The shared-memory bootstrap uses it too. */
+int ring_wait_fd(int fd, short events, int64_t deadline);
+
 /* The neighbours' ranks. */
 int ring_left_rank(const ring *g);
 int ring_right_rank(const ring *g);

@@ -42,8 +42,7 @@ typedef struct ring_hello {
     uint64_t nonce;
 } ring_hello;
 
-/* Waits for events on fd until the deadline: 1 ready, 0 timed out, -1 error. */
-static int wait_fd(int fd, short events, int64_t deadline)
+int ring_wait_fd(int fd, short events, int64_t deadline)
 {
     for (;;) {
         struct pollfd pfd = {fd, events, 0};
@@ -70,7 +69,7 @@ static int io_all(int fd, void *buf, size_t len, int writing, int64_t deadline)
         if (k == 0) return ECONNRESET;
         if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
-        int w = wait_fd(fd, writing ? POLLOUT : POLLIN, deadline);
+        int w = ring_wait_fd(fd, writing ? POLLOUT : POLLIN, deadline);
         if (w == 0) return ETIMEDOUT;
         if (w < 0) return errno;
     }
@@ -161,7 +160,7 @@ static comm_err connect_to(ring *g, const char *host, const char *port, int64_t 
             if (connect(fd, a->ai_addr, a->ai_addrlen) < 0) {
                 e = errno;
                 if (e == EINPROGRESS || e == EINTR) {
-                    int w = wait_fd(fd, POLLOUT, deadline);
+                    int w = ring_wait_fd(fd, POLLOUT, deadline);
                     socklen_t el = sizeof(e);
                     if (w <= 0)
                         e = w == 0 ? ETIMEDOUT : errno;
@@ -193,7 +192,7 @@ static comm_err accept_left(ring *g, int lfd, uint64_t nonce, int64_t deadline, 
 {
     int rejected = 0;
     for (;;) {
-        int w = wait_fd(lfd, POLLIN, deadline);
+        int w = ring_wait_fd(lfd, POLLIN, deadline);
         if (w == 0)
             return comm_fail(&g->base, COMM_ERR_TIMEOUT,
                              "left neighbour (rank %d) did not connect (%d stray connections "

@@ -91,16 +91,17 @@ group_err group_connect(group *g, const group_env *env, const group_link *link, 
                       .host = link->host ? link->host : env->node_addr,
                       .timeout_ms = link->timeout_ms,
                       .device = link->device,
+                      .transport = link->transport,
                       .msg = why,
                       .cancelled = link->cancelled,
                       .cancel_ctx = link->cancel_ctx};
-    comm_err ce = link->cuda ? comm_nccl_init(&cc, &g->comm) : comm_ring_init(&cc, &g->comm);
+    comm_err ce = link->cuda ? comm_nccl_init(&cc, &g->comm) : comm_cpu_init(&cc, &g->comm);
     if (ce != COMM_OK) {
         /* The backend says why in cc.msg; the store's last error may add to it. */
         const char *detail = rdzv_store_last_error(g->store);
         snprintf(msg, GROUP_MSG_MAX, "round %lld: building the %s: %s%s%s%s%s", (long long)g->round,
-                 link->cuda ? "NCCL communicator" : "ring", comm_strerror(ce), why[0] ? ": " : "",
-                 why, detail[0] ? ": " : "", detail);
+                 link->cuda ? "NCCL communicator" : "communicator", comm_strerror(ce),
+                 why[0] ? ": " : "", why, detail[0] ? ": " : "", detail);
         rdzv_store_close(g->store);
         g->store = NULL;
         g->comm = NULL;

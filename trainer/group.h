@@ -48,9 +48,10 @@ typedef enum {
 
 /* How this process's end of the communicator is set up. */
 typedef struct group_link {
-    const char *host; /* address to listen on and publish; NULL: env->node_addr */
-    int timeout_ms;   /* deadline for a silent peer */
-    int cuda;         /* NCCL on CUDA device `device` instead of the TCP ring */
+    const char *host;         /* address to listen on and publish; NULL: env->node_addr */
+    int timeout_ms;           /* deadline for a silent peer */
+    int cuda;                 /* NCCL on CUDA device `device` instead of the CPU transports */
+    comm_transport transport; /* on CPU: shared memory, the TCP ring or either (auto) */
     int device;
     /* Optional: 1 when the round being built already ended (comm_config.cancelled). */
     int (*cancelled)(void *ctx);

@@ -522,6 +522,7 @@ static group_link group_link_of(const options *o)
     return (group_link){.host = o->host,
                         .timeout_ms = o->comm_timeout_ms,
                         .cuda = o->device == DEVICE_CUDA,
+                        .transport = (comm_transport)o->comm,
                         .device = o->gpu};
 }
 
@@ -746,8 +747,11 @@ static loop_state trainer_regroup(trainer *t, const char *why)
         }
         t->start_step = start_step;
         t->start_samples = start_samples;
-        say(t, "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld",
-            (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch);
+        say(t,
+            "round %lld: world %d, rebuilt in place (%s), at step %lld epoch %lld, "
+            "collectives over %s",
+            (long long)t->g.round, t->g.world, why, (long long)t->st.step, (long long)t->st.epoch,
+            comm_backend(t->g.comm));
         elastic_set_phase(t->el, ELASTIC_PHASE_COMPUTE);
         return LOOP_TRAIN;
     }
@@ -904,11 +908,11 @@ static int trainer_start(trainer *t, int argc, char **argv, int *status)
     char desc[256];
     model_describe(&t->o.cfg, desc, sizeof(desc));
     say(t,
-        "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s; all-reduce %s "
-        "(%s)",
+        "%s, %zu parameters in %d buckets, %d samples, world %d, round %lld, %s, "
+        "collectives over %s; all-reduce %s (%s)",
         desc, t->m->nfloats, ddp_bucket_count(t->r), t->train.n, t->g.world, (long long)t->g.round,
-        t->m->dev ? "cuda" : "cpu", t->overlap ? "overlapped with backward" : "after backward",
-        t->overlap_why);
+        t->m->dev ? "cuda" : "cpu", comm_backend(t->g.comm),
+        t->overlap ? "overlapped with backward" : "after backward", t->overlap_why);
     return 0;
 }
 

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ductile/comm.h"    /* comm_transport */
 #include "ductile/control.h" /* ctl_int: one integer parser */
 #include "ductile/ddp.h"
 #include "ductile/optim.h"
@@ -49,6 +50,7 @@ static const struct option long_opts[] = {
     {"log-every", 1, 0, 'g'},
     {"host", 1, 0, 'h'},
     {"comm-timeout-ms", 1, 0, 'x'},
+    {"comm", 1, 0, 'k'},
     {"device", 1, 0, 'G'},
     {"log-format", 1, 0, 'F'},
     {"help", 0, 0, '?'},
@@ -97,6 +99,8 @@ void options_usage(FILE *f)
         "  --host ADDR            address the ring listens on and publishes\n"
         "                         (DUCTILE_NODE_ADDR, else 127.0.0.1)\n"
         "  --comm-timeout-ms MS   deadline for a silent peer (30000)\n"
+        "  --comm auto|ring|shm   CPU collectives: shared memory when every rank is on this\n"
+        "                         host, else the TCP ring (auto); ring or shm forces one\n"
         "  --device auto|cpu|cuda where to train, on GPU number LOCAL_RANK; auto: CUDA when\n"
         "                         there is a GPU for each of LOCAL_WORLD_SIZE ranks (auto)\n"
         "  --log-format text|json error lines as text or one JSON object each\n"
@@ -250,6 +254,13 @@ static int set_option(options *o, int id, const char *name, const char *v, const
         return 0;
     case 'x':
         return parse_int(lg, name, v, 100, 3600000, &i) ? -1 : (o->comm_timeout_ms = (int)i, 0);
+    case 'k':
+        if (strcmp(v, "auto") && strcmp(v, "ring") && strcmp(v, "shm"))
+            return bad_value(lg, name, v, "auto, ring or shm");
+        o->comm = !strcmp(v, "ring")  ? COMM_TRANSPORT_RING
+                  : !strcmp(v, "shm") ? COMM_TRANSPORT_SHM
+                                      : COMM_TRANSPORT_AUTO;
+        return 0;
     case 'G':
         if (strcmp(v, "auto") && strcmp(v, "cpu") && strcmp(v, "cuda"))
             return bad_value(lg, name, v, "auto, cpu or cuda");

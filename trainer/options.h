@@ -27,6 +27,7 @@ typedef struct options {
     double bucket_cap_mb;
     uint64_t seed;
     const char *data, *summary, *checkpoint_dir, *record, *dump_params, *host;
+    int comm;     /* comm_transport: --comm */
     int device;   /* DEVICE_* */
     int gpu;      /* CUDA ordinal when device is DEVICE_CUDA */
     int log_json; /* --log-format: 1 json, 0 text, -1 as DUCTILE_LOG_FORMAT says */

@@ -1,11 +1,13 @@
-/* bench_allreduce: bus bandwidth of the TCP ring allreduce on this machine.
+/* bench_allreduce: bus bandwidth of the CPU allreduce on this machine.
  *
- *   bench_allreduce --ranks W [--min-bytes B] [--max-bytes B] [--chunk-bytes B]
+ *   bench_allreduce --ranks W [--shm] [--min-bytes B] [--max-bytes B] [--chunk-bytes B]
  *   bench_allreduce --memcpy
  *
  * Forks W ranks joined by loopback TCP connections (the same sockets and
- * options the store bootstrap makes; the store itself is left out so the
- * figure is the data path alone) and times allreduce at sizes doubling
+ * options the store bootstrap makes), or with --shm by a shared memfd
+ * segment and liveness socket pairs (what the shm bootstrap hands out); the
+ * store itself is left out so the figure is the data path alone. It times
+ * allreduce at sizes doubling
  * from min to max bytes. Rank 0 prints one line per size:
  *   bytes  seconds_per_op  algbw_GBps  busbw_GBps
  * with busbw = algbw * 2(W-1)/W, the figure that is comparable across
@@ -21,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -83,7 +86,14 @@ err:
     return -1;
 }
 
-static int run_rank(int rank, int world, int left, int right, size_t lo, size_t hi, size_t chunk)
+/* How a rank joins: two ring sockets, or the segment and its peers. */
+typedef struct rank_link {
+    int left, right;
+    int memfd;    /* >= 0: shared memory */
+    int peer[64]; /* shared memory: liveness socket to each rank */
+} rank_link;
+
+static int run_rank(int rank, int world, rank_link *lk, size_t lo, size_t hi, size_t chunk)
 {
     comm_config cfg = {0};
     cfg.chunk_bytes = chunk;
@@ -91,7 +101,8 @@ static int run_rank(int rank, int world, int left, int right, size_t lo, size_t 
     cfg.world_size = world;
     cfg.timeout_ms = 60000;
     comm *c = NULL;
-    comm_err err = comm_ring_from_fds(&cfg, left, right, &c);
+    comm_err err = lk->memfd >= 0 ? comm_shm_from_fds(&cfg, lk->memfd, lk->peer, &c)
+                                  : comm_ring_from_fds(&cfg, lk->left, lk->right, &c);
     if (err != COMM_OK) {
         fprintf(stderr, "rank %d: %s\n", rank, comm_strerror(err));
         return 1;
@@ -130,10 +141,14 @@ static int run_rank(int rank, int world, int left, int right, size_t lo, size_t 
 
 int main(int argc, char **argv)
 {
-    int world = 0;
+    int world = 0, shm = 0;
     size_t lo = 4096, hi = 64u << 20, chunk = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--memcpy") == 0) return memcpy_bench();
+        if (strcmp(argv[i], "--shm") == 0) {
+            shm = 1;
+            continue;
+        }
         if (i + 1 < argc && strcmp(argv[i], "--ranks") == 0)
             world = atoi(argv[++i]);
         else if (i + 1 < argc && strcmp(argv[i], "--min-bytes") == 0)
@@ -143,9 +158,10 @@ int main(int argc, char **argv)
         else if (i + 1 < argc && strcmp(argv[i], "--max-bytes") == 0)
             hi = strtoull(argv[++i], NULL, 10);
         else {
-            fprintf(stderr, "usage: bench_allreduce --ranks W [--min-bytes B] [--max-bytes B]"
-                            " [--chunk-bytes B]"
-                            " | --memcpy\n");
+            fprintf(stderr,
+                    "usage: bench_allreduce --ranks W [--shm] [--min-bytes B] [--max-bytes B]"
+                    " [--chunk-bytes B]"
+                    " | --memcpy\n");
             return 2;
         }
     }
@@ -153,12 +169,35 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_allreduce: need --ranks 2..64 and 4 <= min <= max bytes\n");
         return 2;
     }
-    int ends[64][2]; /* edge r: [0] rank r's right, [1] rank r+1's left */
-    for (int r = 0; r < world; r++)
-        if (tcp_pair(&ends[r][0], &ends[r][1]) < 0) {
-            perror("bench_allreduce: loopback connection");
+    int ends[64][2];  /* edge r: [0] rank r's right, [1] rank r+1's left */
+    int pair[64][64]; /* shm: pair[i][j] is i's socket to j */
+    int memfd = -1;
+    for (int i = 0; i < world; i++)
+        for (int j = 0; j < world; j++)
+            pair[i][j] = -1;
+    if (shm) {
+        memfd = memfd_create("bench-allreduce", MFD_CLOEXEC);
+        if (memfd < 0 || ftruncate(memfd, (off_t)comm_shm_bytes(world)) < 0) {
+            perror("bench_allreduce: segment");
             return 1;
         }
+        for (int i = 0; i < world; i++)
+            for (int j = i + 1; j < world; j++) {
+                int sv[2];
+                if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
+                    perror("bench_allreduce: socketpair");
+                    return 1;
+                }
+                pair[i][j] = sv[0];
+                pair[j][i] = sv[1];
+            }
+    } else {
+        for (int r = 0; r < world; r++)
+            if (tcp_pair(&ends[r][0], &ends[r][1]) < 0) {
+                perror("bench_allreduce: loopback connection");
+                return 1;
+            }
+    }
     fflush(stdout);
     pid_t pids[64];
     for (int r = 0; r < world; r++) {
@@ -168,16 +207,30 @@ int main(int argc, char **argv)
             return 1;
         }
         if (pids[r] == 0) {
-            int left = ends[(r + world - 1) % world][1], right = ends[r][0];
-            for (int e = 0; e < world; e++)
-                for (int s = 0; s < 2; s++)
-                    if (ends[e][s] != left && ends[e][s] != right) close(ends[e][s]);
-            _exit(run_rank(r, world, left, right, lo, hi, chunk));
+            rank_link lk = {.left = -1, .right = -1, .memfd = memfd};
+            if (!shm) {
+                lk.left = ends[(r + world - 1) % world][1];
+                lk.right = ends[r][0];
+                for (int e = 0; e < world; e++)
+                    for (int s = 0; s < 2; s++)
+                        if (ends[e][s] != lk.left && ends[e][s] != lk.right) close(ends[e][s]);
+            }
+            for (int i = 0; i < world; i++)
+                for (int j = 0; j < world; j++)
+                    if (i != r && pair[i][j] >= 0) close(pair[i][j]);
+            for (int j = 0; j < world; j++)
+                lk.peer[j] = pair[r][j];
+            _exit(run_rank(r, world, &lk, lo, hi, chunk));
         }
     }
-    for (int e = 0; e < world; e++)
-        for (int s = 0; s < 2; s++)
-            close(ends[e][s]);
+    if (!shm)
+        for (int e = 0; e < world; e++)
+            for (int s = 0; s < 2; s++)
+                close(ends[e][s]);
+    for (int i = 0; i < world; i++)
+        for (int j = 0; j < world; j++)
+            if (pair[i][j] >= 0) close(pair[i][j]);
+    if (memfd >= 0) close(memfd);
     int bad = 0;
     for (int r = 0; r < world; r++) {
         int st = 0;

@@ -1,8 +1,9 @@
 /* comm.h: collectives behind one small interface.
  *
- * Two backends share it: a TCP ring on CPU (comm_ring.c: reduce-scatter +
- * all-gather, chunked and pipelined) bootstrapped through the round store,
- * and NCCL on GPU (comm_nccl.c). Buffers are host memory for the ring; the
+ * Three backends share it: on CPU, shared memory for ranks on one host
+ * (comm_shm.c) and a TCP ring between hosts (comm_ring.c: reduce-scatter +
+ * all-gather, chunked and pipelined), both bootstrapped through the round
+ * store; and NCCL on GPU (comm_nccl.c). Buffers are host memory for the ring; the
  * NCCL backend takes device memory as it is and stages host memory through
  * a pinned bounce buffer itself, so callers (the state sync, evaluation
  * counts) need not know which backend they have. Every call
@@ -45,15 +46,26 @@ const char *comm_strerror(comm_err err);
  * agent as `peer_lost`, the second as `failed`. */
 int comm_err_is_peer(comm_err err);
 
+/* How ranks on the CPU talk (comm_cpu_init). */
+typedef enum {
+    COMM_TRANSPORT_AUTO = 0, /* shared memory when every rank is on one host, else the ring */
+    COMM_TRANSPORT_RING,     /* the TCP ring always */
+    COMM_TRANSPORT_SHM,      /* shared memory, or fail when the ranks span hosts */
+} comm_transport;
+
 typedef struct comm_config {
     int rank;
     int world_size;
-    rdzv_store *store;  /* the round's store: bootstrap addresses / NCCL id */
-    const char *host;   /* address to listen on and publish (default 127.0.0.1) */
-    int timeout_ms;     /* deadline for a silent peer (default 30000) */
-    size_t chunk_bytes; /* ring pipeline chunk (default 256 KiB) */
-    int device;         /* NCCL: CUDA device ordinal */
-    char *msg;          /* optional, COMM_MSG_MAX bytes: why an init failed */
+    rdzv_store *store;        /* the round's store: bootstrap addresses / NCCL id */
+    const char *host;         /* address to listen on and publish (default 127.0.0.1) */
+    int timeout_ms;           /* deadline for a silent peer (default 30000) */
+    size_t chunk_bytes;       /* ring pipeline chunk (default 256 KiB) */
+    int device;               /* NCCL: CUDA device ordinal */
+    comm_transport transport; /* comm_cpu_init's choice; every rank of a job gives the same */
+    /* comm_cpu_init: which host this rank is on (NULL: this kernel's boot
+     * id and network namespace); tests name hosts to make several on one. */
+    const char *host_id;
+    char *msg; /* optional, COMM_MSG_MAX bytes: why an init failed */
     /* Optional: polled while an init waits (NCCL's), 1 to give up at once
      * with COMM_ERR_ABORTED: the round being built has already ended (an
      * in-place rebuild's control thread answers it), so no peer is coming. */
@@ -66,11 +78,20 @@ typedef struct comm comm;
 /* CPU: TCP ring. On failure *out is NULL and cfg->msg, when set, says why
  * in one line. */
 comm_err comm_ring_init(const comm_config *cfg, comm **out);
+/* CPU: shared memory (comm_shm.c) when every rank shares one host (the
+ * same kernel and network namespace, decided by rank 0 from what each rank
+ * publishes in the round store), the TCP ring when every rank is on a host
+ * of its own, and both (comm_hier.c: shared memory on each host, the ring
+ * among one leader per host) in between; cfg->transport forces the ring
+ * or shared memory alone. Fails as comm_ring_init does. */
+comm_err comm_cpu_init(const comm_config *cfg, comm **out);
 /* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). Fails as
  * comm_ring_init does. */
 comm_err comm_nccl_init(const comm_config *cfg, comm **out);
 
 int comm_rank(const comm *c);
+/* What carries the collectives: "ring", "shm", "hier" or "nccl" ("none" for NULL). */
+const char *comm_backend(const comm *c);
 int comm_world_size(const comm *c);
 
 /* In-place sum of n floats across all ranks. */

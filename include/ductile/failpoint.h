@@ -41,6 +41,12 @@
  *   ring.collective  a collective that reaches the ring (world > 1, not
  *                    empty, comm alive); ACTION closed: it fails as a peer's
  *                    closed connection does, and the comm is dead after.
+ *   shm.connect      a comm_cpu_init bootstrap of world >= 2 (shared
+ *                    memory or auto); ACTION fail: it fails at once with a
+ *                    timeout and publishes nothing (its peers time out too).
+ *   shm.collective   a collective that reaches the shared segment; ACTION
+ *                    closed: it fails as a dead peer does (COMM_ERR_PEER),
+ *                    the other ranks fail at once, the comm is dead after.
  *   train.step       the start of every optimizer step of ductile-train;
  *                    ACTION sleep:MS (a slow step) or fail (a first-hand
  *                    error of this worker).

@@ -18,7 +18,9 @@ injects its fault while training runs, then checks:
     25 epochs, so runs that changed size mid-way have converged alike);
   - for graceful changes (scale-up, scale-down), that no step was lost: no
     record belongs to a discarded step;
-  - no sanitizer report in any process's output.
+  - no sanitizer report in any process's output;
+  - nothing left in /dev/shm (an entry that appeared during the scenario and
+    that no live process holds), SIGKILLed trainers included.
 The chaos run (`chaos`) applies a seeded random schedule of 20 worker kills,
 agent kills, leaves and joins to one 40-epoch run; its seed is printed and
 named in the failure message (--chaos-seed reruns it).
@@ -600,6 +602,11 @@ def sc_netns(env, mode, ref):
             log("link of node 'cut' up again")
             link.link(up=True)
             verify(job, ref, expect_fail=("cut",))
+            # Rounds of all three: two ranks share the root namespace, the
+            # cut node has its own: shared memory there, the ring between
+            # (trainer/comm_hier.c); rank 0 says so.
+            check(any("collectives over hier" in a.text() for a in job.agents.values()),
+                  "no round of three was hierarchical")
             after = cut.text()[mark:]
             check("ductile-train: checkpoint" not in after,
                   "the cut-off node saved a checkpoint after it was cut off")
@@ -708,6 +715,47 @@ class Env:
         return acc
 
 
+def dev_shm():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def dev_shm_held():
+    """Paths under /dev/shm that some live process maps or holds open."""
+    held = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/maps" % pid) as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        held.add(line[i:].split(" (deleted)")[0].strip())
+            for fd in os.listdir("/proc/%s/fd" % pid):
+                t = os.readlink("/proc/%s/fd/%s" % (pid, fd))
+                if t.startswith("/dev/shm/"):
+                    held.add(t)
+        except OSError:
+            continue
+    return held
+
+
+def dev_shm_leaks(before):
+    """Entries that appeared in /dev/shm since `before` and that no live
+    process holds: what a scenario's processes left behind (the trainers'
+    shared memory is a memfd, so there should be none). Entries of other
+    programs running meanwhile are held by them, so they do not count."""
+    new = dev_shm() - before
+    if not new:
+        return []
+    time.sleep(1)  # an entry being made is held a moment later
+    held = dev_shm_held()
+    return sorted(n for n in new & dev_shm() if "/dev/shm/" + n not in held)
+
+
 def on_term(sig, frame):
     raise SystemExit("e2e: signal %d: cleaning up" % sig)
 
@@ -755,8 +803,11 @@ def main():
             fn, modes = table[name]
             for m in ([mode] if mode else modes):
                 t = time.monotonic()
+                shm_before = dev_shm()
                 try:
                     fn(env, m, ref)
+                    left = dev_shm_leaks(shm_before)
+                    check(not left, "left in /dev/shm: %s" % " ".join(left))
                     results.append((c, m, "PASS", ""))
                 except Skip as e:
                     results.append((c, m, "SKIP", str(e)))

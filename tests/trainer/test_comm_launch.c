@@ -100,7 +100,17 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
         return COMM_ERR_STORE;
     }
     cfg.store = s;
-    comm_err err = g->nccl ? comm_nccl_init(&cfg, out) : comm_ring_init(&cfg, out);
+    cfg.transport = !g->shm    ? COMM_TRANSPORT_RING
+                    : g->hosts ? COMM_TRANSPORT_AUTO
+                               : COMM_TRANSPORT_SHM;
+    char host_id[32];
+    if (g->hosts > 0) {
+        snprintf(host_id, sizeof(host_id), "test-host-%d", rank % g->hosts);
+        cfg.host_id = host_id;
+    }
+    comm_err err = g->nccl  ? comm_nccl_init(&cfg, out)
+                   : g->shm ? comm_cpu_init(&cfg, out)
+                            : comm_ring_init(&cfg, out);
     rdzv_store_close(s);
     return err;
 }

@@ -34,7 +34,9 @@ typedef struct tc_group {
     int64_t round;
     int timeout_ms;
     size_t chunk_bytes;
-    int nccl; /* tc_connect builds NCCL communicators (device 0) instead of rings */
+    int nccl;  /* tc_connect builds NCCL communicators (device 0) instead of rings */
+    int shm;   /* tc_connect builds shared-memory communicators (comm_cpu_init) */
+    int hosts; /* with shm: rank r says it is on host r % hosts (comm_config.host_id) */
     pid_t pids[TC_MAX_RANKS];
     int pairs[TC_MAX_RANKS][2]; /* edge r: [0] is rank r's right, [1] rank r+1's left */
     tc_shared *shared;

@@ -1,13 +1,17 @@
-/* test_comm_ring.c: the TCP ring collectives, one real process per rank.
+/* test_comm_ring.c: the CPU collectives, one real process per rank.
  *
- *   test_comm_ring [--pairs] [CASE...]
+ *   test_comm_ring [--pairs|--shm|--hier] [CASE...]
  *
  * By default every ring is bootstrapped through the round store of a real
  * etcd (DUCTILE_TEST_ETCD, or a private one started here) over 127.0.0.1;
  * --pairs builds the rings over socketpairs instead, to test the ring core
- * alone. Inputs are small integers, so float sums are exact and results are
- * compared bit for bit. Failure cases kill (SIGKILL), stop (SIGSTOP) or
- * abort a rank and check what every other rank gets back, and how soon.
+ * alone; --shm runs the same cases over shared memory (comm_cpu_init with
+ * every rank on this host), plus its own: a rebuild in a new round with
+ * fewer ranks, and a segment that never touches /dev/shm; --hier runs them
+ * with rank r saying it is on host r % 2 (comm_config.host_id): shared
+ * memory on each "host", the ring between them (two ranks: the ring). Inputs are small integers, so
+ * float sums are exact and results are compared bit for bit. Failure cases kill (SIGKILL), stop
+ * (SIGSTOP) or abort a rank and check what every other rank gets back, and how soon.
  */
 #include "test_comm_launch.h"
 #include "test_etcd.h"
@@ -23,17 +27,26 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <stddef.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 static const char *g_etcd; /* NULL: socketpairs */
+static int g_shm;          /* --shm or --hier */
+static int g_hosts;        /* --hier: 2 */
 
 /* A group for one case: a job of its own, round 1 current. A group that
  * cannot be made counts as a failed check. */
 static int group_open(tc_group *g, int world)
 {
-    if (tc_group_open(g, world, g_etcd, "comm-test") == 0) return 0;
+    if (tc_group_open(g, world, g_etcd, "comm-test") == 0) {
+        g->shm = g_shm;
+        g->hosts = g_hosts;
+        return 0;
+    }
     check_fail();
     return -1;
 }
@@ -424,18 +437,36 @@ static void test_abort(void)
 
 /* ---- stray connections at bootstrap (store only) ---- */
 
-/* Connects to the address rank 1 published and sends `len` bytes. */
-static int stray_connect(tc_group *g, const void *bytes, size_t len)
+/* The value of key in g's round store once it is there (malloc'd), or NULL. */
+static char *store_value(tc_group *g, const char *key)
 {
     rdzv_etcd e = {0};
     e.endpoints = g->etcd;
     rdzv_store *s = NULL;
-    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return -1;
+    if (rdzv_store_open(&e, g->job, g->round, &s) != RDZV_OK) return NULL;
     void *val = NULL;
     size_t vlen = 0;
-    rdzv_err re = rdzv_store_wait(s, "ring/1", 10000, &val, &vlen);
+    rdzv_err re = rdzv_store_wait(s, key, 10000, &val, &vlen);
     rdzv_store_close(s);
-    if (re != RDZV_OK) return -1;
+    return re == RDZV_OK ? val : NULL;
+}
+
+/* Connects a stream socket to sa and sends `len` bytes: the fd, or -1. */
+static int connect_send(const void *sa, socklen_t sl, const void *bytes, size_t len)
+{
+    int fd = socket(((const struct sockaddr *)sa)->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, sa, sl) < 0 || send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Connects to the address rank 1 published and sends `len` bytes. */
+static int stray_connect(tc_group *g, const void *bytes, size_t len)
+{
+    char *val = store_value(g, "ring/1");
+    if (!val) return -1;
     char *colon = strrchr(val, ':');
     int port = colon ? atoi(colon + 1) : 0;
     free(val);
@@ -443,13 +474,7 @@ static int stray_connect(tc_group *g, const void *bytes, size_t len)
     sa.sin_family = AF_INET;
     sa.sin_port = htons((uint16_t)port);
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
-        send(fd, bytes, len, MSG_NOSIGNAL) != (ssize_t)len) {
-        if (fd >= 0) close(fd);
-        return -1;
-    }
-    return fd;
+    return connect_send(&sa, sizeof(sa), bytes, len);
 }
 
 static int rank_stray(tc_group *g, int rank, void *arg)
@@ -482,9 +507,87 @@ static int rank_stray(tc_group *g, int rank, void *arg)
     return 0;
 }
 
+/* Shared memory: connects to the socket rank 0 published for the segment
+ * and sends `len` bytes; the fd, or -1 once rank 0 no longer listens. */
+static int shm_stray_connect(tc_group *g, const void *bytes, size_t len)
+{
+    char *val = store_value(g, "shm/0");
+    if (!val) return -1;
+    struct sockaddr_un sa = {0};
+    sa.sun_family = AF_UNIX;
+    size_t n = strcspn(val, " ");
+    if (n >= sizeof(sa.sun_path) - 1) n = 0;
+    memcpy(sa.sun_path + 1, val, n); /* abstract */
+    free(val);
+    return connect_send(&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n), bytes,
+                        len);
+}
+
+/* Ranks 0 and 1 of three; rank 2 only says where it is, and never comes,
+ * so rank 0 is still taking connections when the strays arrive. */
+static int rank_stray_shm(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    if (rank == 2) {
+        rdzv_etcd e = {0};
+        e.endpoints = g->etcd;
+        rdzv_store *s = NULL;
+        CHECK_OR_RETURN(rdzv_store_open(&e, g->job, g->round, &s) == RDZV_OK, "store");
+        rdzv_err re = rdzv_store_set(s, "host/2", "test-host-0", strlen("test-host-0"));
+        rdzv_store_close(s);
+        CHECK_OR_RETURN(re == RDZV_OK, "host/2");
+        return 0;
+    }
+    comm *c = NULL;
+    comm_err err = tc_connect(g, rank, &c);
+    /* Rank 0 waits out its deadline; rank 1 sees it give up, or waits too. */
+    CHECK_OR_RETURN(!c && (err == COMM_ERR_TIMEOUT || (rank == 1 && err == COMM_ERR_PEER)),
+                    "rank %d without rank 2: %s", rank, comm_strerror(err));
+    return 0;
+}
+
+/* Strays at rank 0's segment socket (a hello with the wrong nonce, then
+ * garbage) are closed without the segment. */
+static void test_stray_shm(void)
+{
+    tc_group g;
+    if (group_open(&g, 3) != 0) return;
+    g.timeout_ms = 3000;
+    g.hosts = 1; /* "test-host-0", which rank 2 names too */
+    if (tc_spawn(&g, rank_stray_shm, NULL) != 0) {
+        check_fail();
+        return;
+    }
+    struct {
+        uint64_t magic;
+        uint32_t rank, world;
+        uint64_t nonce;
+    } hello = {0x4f4c4c45484d4853ull, 2, 3, 0x1234}; /* "SHMHELLO" */
+    static const char junk[24] = "GET / HTTP/1.0\r\n\r\n";
+    int strays[2] = {shm_stray_connect(&g, &hello, sizeof(hello)),
+                     shm_stray_connect(&g, junk, sizeof(junk))};
+    for (int i = 0; i < 2; i++) {
+        CHECK(strays[i] >= 0, "stray %d could not connect", i);
+        if (strays[i] < 0) continue;
+        struct pollfd pfd = {strays[i], POLLIN, 0};
+        CHECK(poll(&pfd, 1, 5000) == 1, "stray %d: rank 0 neither answered nor closed", i);
+        char b[64], ctl[256];
+        struct iovec iov = {b, sizeof(b)};
+        struct msghdr m = {
+            .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof(ctl)};
+        ssize_t k = recvmsg(strays[i], &m, MSG_DONTWAIT);
+        CHECK(k <= 0 && m.msg_controllen == 0, "stray %d got %zd bytes, %zu of descriptors", i, k,
+              (size_t)m.msg_controllen);
+        close(strays[i]);
+    }
+    CHECK(tc_wait(&g, 60, NULL) == 0, "ranks without rank 2");
+    tc_group_free(&g);
+}
+
 static void test_stray(void)
 {
-    if (!g_etcd) return;
+    if (g_etcd && g_shm && !g_hosts) test_stray_shm();
+    if (!g_etcd || g_shm) return; /* the ring's TCP listener */
     tc_group g;
     if (group_open(&g, 2) != 0) return;
     g.timeout_ms = 5000;
@@ -543,11 +646,68 @@ static void test_single(void)
         CHECK(strlen(comm_strerror((comm_err)e)) > 0, "strerror %d", e);
 }
 
+/* ---- shared memory only ---- */
+
+/* 1 when a line of this process's memory map holds `what`. */
+static int maps(const char *what)
+{
+    char line[512];
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return -1;
+    int found = 0;
+    while (fgets(line, sizeof(line), f))
+        if (strstr(line, what)) found = 1;
+    fclose(f);
+    return found;
+}
+
+static int rank_rebuild(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(maps("/memfd:ductile-shm") == 1, "rank %d: no memfd segment mapped", rank);
+    CHECK_OR_RETURN(maps(" /dev/shm/") == 0, "rank %d: something under /dev/shm is mapped", rank);
+    float buf[3] = {1, 2, 3};
+    CHECK_OR_RETURN(comm_allreduce_sum_f32(c, buf, 3) == COMM_OK && buf[2] == 3.0f * 3,
+                    "round 1 allreduce: %s", comm_last_error(c));
+    /* Round 2 without rank 2: made current before anyone leaves round 1. */
+    if (rank == 0) CHECK_OR_RETURN(tc_make_round_current(g->etcd, g->job, 2) == 0, "round 2");
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "barrier: %s", comm_last_error(c));
+    comm_free(c);
+    if (rank == 2) return 0;
+    g->round = 2;
+    g->world = 2;
+    c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(comm_world_size(c) == 2, "round 2 world");
+    buf[0] = (float)rank;
+    CHECK_OR_RETURN(comm_allreduce_sum_f32(c, buf, 1) == COMM_OK && buf[0] == 1.0f,
+                    "round 2 allreduce: %s (%g)", comm_last_error(c), (double)buf[0]);
+    CHECK_OR_RETURN(maps(" /dev/shm/") == 0, "rank %d: something under /dev/shm is mapped", rank);
+    comm_free(c);
+    return 0;
+}
+
+static void test_rebuild(void)
+{
+    if (!g_shm || g_hosts) return;
+    tc_group g;
+    if (group_open(&g, 3) != 0) return;
+    CHECK(tc_run(&g, rank_rebuild, NULL, 60) == 0, "rebuild in a new round");
+    tc_group_free(&g);
+}
+
 int main(int argc, char **argv)
 {
     int first = 1, pairs = 0;
     if (first < argc && strcmp(argv[first], "--pairs") == 0) {
         pairs = 1;
+        first++;
+    } else if (first < argc && strcmp(argv[first], "--shm") == 0) {
+        g_shm = 1;
+        first++;
+    } else if (first < argc && strcmp(argv[first], "--hier") == 0) {
+        g_shm = 1;
+        g_hosts = 2;
         first++;
     }
     /* SIGPIPE stays at its default (fatal): the ring must never raise it. */
@@ -564,8 +724,13 @@ int main(int argc, char **argv)
         {"stop", test_stop},
         {"stray", test_stray},
         {"fenced", test_fenced},
+        {"rebuild", test_rebuild},
     };
-    th_run_cases(cases, TH_COUNT(cases), argc, argv, first, pairs ? "socketpairs" : "store");
+    th_run_cases(cases, TH_COUNT(cases), argc, argv, first,
+                 pairs     ? "socketpairs"
+                 : g_hosts ? "hier"
+                 : g_shm   ? "shm"
+                           : "store");
     test_etcd_stop(&etcd);
     return check_finish("test_comm_ring");
 }

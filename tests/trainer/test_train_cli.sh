@@ -38,6 +38,8 @@ expect 2 "unknown" "$TRAIN" --no-such-flag
 expect 2 "incomplete" "$TRAIN" --epochs
 expect 2 "unexpected" "$TRAIN" extra
 expect 2 "bucket-cap-mb" env DUCTILE_TRAIN_BUCKET_CAP_MB=lots "$TRAIN"
+expect 2 "auto, ring or shm" "$TRAIN" --comm tcp
+expect 2 "auto, ring or shm" env DUCTILE_TRAIN_COMM=nccl "$TRAIN"
 expect 1 "RANK" env WORLD_SIZE=2 RANK=2 "$TRAIN" --data "$FASHION_MNIST"
 expect 1 "WORLD_SIZE" env WORLD_SIZE=0 "$TRAIN" --data "$FASHION_MNIST"
 expect 1 "DUCTILE_ETCD_ENDPOINTS" env WORLD_SIZE=2 RANK=0 "$TRAIN" --data "$FASHION_MNIST"

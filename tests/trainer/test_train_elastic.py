@@ -9,13 +9,14 @@ reads what the trainers report (include/ductile/control.h): each says
 (DUCTILE_FAILPOINTS) break one trainer at a chosen call, so every case is
 the same whatever the timing; waits are deadlines for something to happen:
 
-  peer:      a ring collective fails as a closed connection (ring.collective):
+  peer:      a collective (over shared memory: both ranks are on this host)
+             fails as a dead peer (shm.collective):
              both trainers report `peer_lost 1`, never `failed`; after
              `abort 1 lost` and round 2 they rebuild and finish;
   firsthand: a step fails on rank 1 itself (train.step=N:fail): rank 1
              reports `failed`, rank 0 (whose peer vanished) `peer_lost 1`;
-  rebuild:   a graceful end of round 1, then rank 1's ring bootstrap for
-             round 2 fails (ring.connect): rank 1 reports `peer_lost 2` at
+  rebuild:   a graceful end of round 1, then rank 1's bootstrap for
+             round 2 fails (shm.connect): rank 1 reports `peer_lost 2` at
              once instead of waiting; no `failed`; round 3 forms and finishes;
   graceful:  rank 1's steps are slow (train.step=N-M:sleep:MS, longer than
              any grace the trainer ever had) when `abort 1 graceful` and then
@@ -167,17 +168,18 @@ class Job:
 def case_peer(tmp):
     # Rank 1's collectives: 1 allgather and 3 broadcasts agree on the state,
     # then one all-reduce per step: the 10th is in step 6.
-    j = Job(tmp, "peer", {1: "ring.collective=10:closed"})
+    j = Job(tmp, "peer", {1: "shm.collective=10:closed"})
     try:
         for r in range(WORLD):
             lines = j.wait_said(r, "peer_lost", "rank %d's peer_lost" % r)
             check(lines[0].startswith("peer_lost 1 a step failed"), "rank %d: %s" % (r, lines))
-        check("failpoint ring.collective" in j.workers[1].said("peer_lost")[0], "rank 1's reason")
+        check("failpoint shm.collective" in j.workers[1].said("peer_lost")[0], "rank 1's reason")
         j.no_failed()
         j.next_round(2, "lost")
         j.finish()
         j.no_failed()
         check("round 2: world 2, rebuilt in place" in j.workers[0].log(), "no rebuild logged")
+        check("collectives over shm" in j.workers[0].log(), "not over shared memory")
     finally:
         j.stop()
 
@@ -198,14 +200,14 @@ def case_firsthand(tmp):
 
 
 def case_rebuild(tmp):
-    # ring.connect's 1st call is round 1's ring, the 2nd round 2's.
-    j = Job(tmp, "rebuild", {1: "ring.connect=2:fail"})
+    # shm.connect's 1st call is round 1's bootstrap, the 2nd round 2's.
+    j = Job(tmp, "rebuild", {1: "shm.connect=2:fail"})
     try:
         j.wait_log(0, "ductile-train: step 3 ", "step 3")
         j.next_round(2, "graceful")
         lost = j.wait_said(1, "peer_lost", "rank 1's peer_lost")
         check(lost[0].startswith("peer_lost 2 "), "rank 1: %s" % lost)
-        check("failpoint ring.connect" in j.workers[1].log(), "rank 1's log names no failpoint")
+        check("failpoint shm.connect" in j.workers[1].log(), "rank 1's log names no failpoint")
         # Rank 0 may have said the same once its own bootstrap gave up, or
         # learnt from the abort first that round 2 is over: both are right.
         for line in j.workers[0].said("peer_lost"):
