@@ -860,7 +860,11 @@ static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int
 {
     char host[160], key[32];
     *host_of = NULL;
-    if (cfg->host_id)
+    if (cfg->transport == COMM_TRANSPORT_RING)
+        /* A host of its own: rank 0's decision puts this rank on the ring,
+         * and the others follow it, whatever --comm they were given. */
+        snprintf(host, sizeof(host), "ring-only-%d", cfg->rank);
+    else if (cfg->host_id)
         snprintf(host, sizeof(host), "%s", cfg->host_id);
     else if (shm_host_id(host, sizeof(host)) < 0)
         snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
@@ -964,7 +968,10 @@ comm_err comm_cpu_init(const comm_config *cfg, comm **out)
     *out = NULL;
     if (!cfg || cfg->world_size < 1 || cfg->rank < 0 || cfg->rank >= cfg->world_size)
         return COMM_ERR_ARG;
-    if (cfg->world_size == 1 || cfg->transport == COMM_TRANSPORT_RING)
+    /* A rank forced to the ring still takes part in the decision (it
+     * publishes a host of its own), so that ranks given different --comm
+     * agree instead of waiting for each other's bootstrap. */
+    if (cfg->world_size == 1 || (cfg->transport == COMM_TRANSPORT_RING && !cfg->store))
         return comm_ring_init(cfg, out);
     if (!cfg->store) return comm_init_failed(cfg, COMM_ERR_ARG, "no round store");
     /* A comm of its own for the bootstrap's errors: the one built may be
@@ -975,7 +982,7 @@ comm_err comm_cpu_init(const comm_config *cfg, comm **out)
     char why[COMM_MSG_MAX] = "";
     int *host_of = NULL;
     int64_t deadline = mono_now_ms() + boot->timeout_ms;
-    if (ring_failpoint("shm.connect", "fail"))
+    if (cfg->transport != COMM_TRANSPORT_RING && ring_failpoint("shm.connect", "fail"))
         err = comm_fail(&boot->base, COMM_ERR_TIMEOUT,
                         "the ranks did not meet (failpoint shm.connect)");
     else

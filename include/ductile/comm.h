@@ -61,7 +61,7 @@ typedef struct comm_config {
     int timeout_ms;           /* deadline for a silent peer (default 30000) */
     size_t chunk_bytes;       /* ring pipeline chunk (default 256 KiB) */
     int device;               /* NCCL: CUDA device ordinal */
-    comm_transport transport; /* comm_cpu_init's choice; every rank of a job gives the same */
+    comm_transport transport; /* comm_cpu_init: rank 0 decides; a rank forced to the ring gets it */
     /* comm_cpu_init: which host this rank is on (NULL: this kernel's boot
      * id and network namespace); tests name hosts to make several on one. */
     const char *host_id;

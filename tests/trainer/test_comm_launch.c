@@ -103,6 +103,9 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
     cfg.transport = !g->shm    ? COMM_TRANSPORT_RING
                     : g->hosts ? COMM_TRANSPORT_AUTO
                                : COMM_TRANSPORT_SHM;
+    if (g->shm && g->ring_ranks) /* the one rank forced to the ring, the others on auto */
+        cfg.transport = rank < 32 && (g->ring_ranks >> rank & 1u) ? COMM_TRANSPORT_RING
+                                                                   : COMM_TRANSPORT_AUTO;
     char host_id[32];
     if (g->hosts > 0) {
         snprintf(host_id, sizeof(host_id), "test-host-%d", rank % g->hosts);

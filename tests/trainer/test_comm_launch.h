@@ -37,6 +37,7 @@ typedef struct tc_group {
     int nccl;  /* tc_connect builds NCCL communicators (device 0) instead of rings */
     int shm;   /* tc_connect builds shared-memory communicators (comm_cpu_init) */
     int hosts; /* with shm: rank r says it is on host r % hosts (comm_config.host_id) */
+    unsigned ring_ranks; /* with shm: rank r forces the ring when bit r is set, the rest auto */
     pid_t pids[TC_MAX_RANKS];
     int pairs[TC_MAX_RANKS][2]; /* edge r: [0] is rank r's right, [1] rank r+1's left */
     tc_shared *shared;

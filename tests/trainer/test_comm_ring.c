@@ -696,6 +696,46 @@ static void test_rebuild(void)
     tc_group_free(&g);
 }
 
+/* Ranks given different --comm agree: rank 0 forced to the ring, the
+ * others on auto. Rank 0 publishes a host of its own, so the round is
+ * hierarchical (ranks 1 and 2 share a segment, rank 0 alone on the ring)
+ * and nobody waits for a bootstrap that never comes. */
+static int rank_mixed(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = tc_connect_or_exit(g, rank);
+    const char *want = g->world == 2 ? "ring" : "hier";
+    CHECK_OR_RETURN(strcmp(comm_backend(c), want) == 0, "rank %d: over %s, not %s", rank,
+                    comm_backend(c), want);
+    float buf[5];
+    for (int i = 0; i < 5; i++)
+        buf[i] = (float)(rank + i);
+    comm_err err = comm_allreduce_sum_f32(c, buf, 5);
+    comm_free(c);
+    CHECK_OR_RETURN(err == COMM_OK, "rank %d: allreduce: %s", rank, comm_strerror(err));
+    for (int i = 0; i < 5; i++) {
+        float s = 0;
+        for (int r = 0; r < g->world; r++)
+            s += (float)(r + i);
+        CHECK_OR_RETURN(buf[i] == s, "rank %d: element %d is %g, not %g", rank, i, (double)buf[i],
+                        (double)s);
+    }
+    return 0;
+}
+
+static void test_mixed(void)
+{
+    if (!g_shm || g_hosts) return;
+    for (int w = 2; w <= 3; w++) {
+        tc_group g;
+        if (group_open(&g, w) != 0) return;
+        g.hosts = 0;
+        g.ring_ranks = 1u; /* rank 0: --comm ring; the rest: --comm auto */
+        CHECK(tc_run(&g, rank_mixed, NULL, 60) == 0, "world %d, rank 0 on the ring", w);
+        tc_group_free(&g);
+    }
+}
+
 int main(int argc, char **argv)
 {
     int first = 1, pairs = 0;
@@ -725,6 +765,7 @@ int main(int argc, char **argv)
         {"stray", test_stray},
         {"fenced", test_fenced},
         {"rebuild", test_rebuild},
+        {"mixed", test_mixed},
     };
     th_run_cases(cases, TH_COUNT(cases), argc, argv, first,
                  pairs     ? "socketpairs"
