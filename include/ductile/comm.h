@@ -48,7 +48,7 @@ int comm_err_is_peer(comm_err err);
 
 /* How ranks on the CPU talk (comm_cpu_init). */
 typedef enum {
-    COMM_TRANSPORT_AUTO = 0, /* shared memory when every rank is on one host, else the ring */
+    COMM_TRANSPORT_AUTO = 0, /* shared memory per host, the ring between hosts (comm_cpu_init) */
     COMM_TRANSPORT_RING,     /* the TCP ring always */
     COMM_TRANSPORT_SHM,      /* shared memory, or fail when the ranks span hosts */
 } comm_transport;
