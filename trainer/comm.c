@@ -68,6 +68,12 @@ comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
     return err;
 }
 
+comm_err comm_store_error(comm *c, rdzv_store *s, rdzv_err e, const char *what)
+{
+    return comm_fail(c, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE, "%s: %s (%s)",
+                     what, rdzv_strerror(e), rdzv_store_last_error(s));
+}
+
 /* A failed init frees its comm, so the reason goes to the caller's cfg->msg.
  * A caller that gives none still gets the line on stderr it always got
  * (tests read it): transitional, until trainer/main.c and elastic.c pass a

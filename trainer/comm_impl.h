@@ -45,6 +45,10 @@ void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size);
 comm_err comm_fail(comm *c, comm_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* A round store call of a bootstrap failed: its deadline is a silent peer
+ * (TIMEOUT), anything else the store's (STORE); says what and why. */
+comm_err comm_store_error(comm *c, rdzv_store *s, rdzv_err e, const char *what);
+
 /* Ends a failed init whose reason is why (NULL or "" when none was
  * recorded): says it in cfg->msg and returns err. */
 comm_err comm_init_failed(const comm_config *cfg, comm_err err, const char *why);

@@ -386,10 +386,7 @@ static comm_err nccl_share_id(nccl_comm *g, const comm_config *cfg, ncclUniqueId
     void *val = NULL;
     size_t len = 0;
     rdzv_err e = rdzv_store_wait(cfg->store, "nccl/id", g->timeout_ms, &val, &len);
-    if (e != RDZV_OK)
-        return comm_fail(&g->base, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE,
-                         "waiting for the NCCL id: %s (%s)", rdzv_strerror(e),
-                         rdzv_store_last_error(cfg->store));
+    if (e != RDZV_OK) return comm_store_error(&g->base, cfg->store, e, "waiting for the NCCL id");
     int bad = hex_decode(val, len, (unsigned char *)id->internal, sizeof(id->internal));
     free(val);
     if (bad) return comm_fail(&g->base, COMM_ERR_STORE, "malformed NCCL id in the store");

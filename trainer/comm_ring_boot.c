@@ -223,12 +223,6 @@ static comm_err accept_left(ring *g, int lfd, uint64_t nonce, int64_t deadline, 
     }
 }
 
-static comm_err store_error(ring *g, rdzv_store *s, rdzv_err e, const char *what)
-{
-    return comm_fail(&g->base, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE,
-                     "%s: %s (%s)", what, rdzv_strerror(e), rdzv_store_last_error(s));
-}
-
 static comm_err ring_bootstrap(ring *g, const comm_config *cfg)
 {
     if (ring_failpoint("ring.connect", "fail"))
@@ -254,7 +248,7 @@ static comm_err ring_bootstrap(ring *g, const comm_config *cfg)
     snprintf(key, sizeof(key), "ring/%d", g->base.rank);
     rdzv_err re = rdzv_store_set(cfg->store, key, mine, strlen(mine));
     if (re != RDZV_OK) {
-        err = store_error(g, cfg->store, re, "publishing the ring address");
+        err = comm_store_error(&g->base, cfg->store, re, "publishing the ring address");
         goto out;
     }
 
@@ -262,7 +256,8 @@ static comm_err ring_bootstrap(ring *g, const comm_config *cfg)
     snprintf(key, sizeof(key), "ring/%d", ring_right_rank(g));
     re = rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), &val, &len);
     if (re != RDZV_OK) {
-        err = store_error(g, cfg->store, re, "waiting for the right neighbour's address");
+        err =
+            comm_store_error(&g->base, cfg->store, re, "waiting for the right neighbour's address");
         goto out;
     }
     char *rhost, *rport;

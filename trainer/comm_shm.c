@@ -705,12 +705,6 @@ static comm_err shm_join(shm *g, const char *name, uint64_t nonce, int64_t deadl
     return err;
 }
 
-static comm_err store_error(comm *c, rdzv_store *s, rdzv_err e, const char *what)
-{
-    return comm_fail(c, e == RDZV_ERR_TIMEOUT ? COMM_ERR_TIMEOUT : COMM_ERR_STORE, "%s: %s (%s)",
-                     what, rdzv_strerror(e), rdzv_store_last_error(s));
-}
-
 static comm_err shm_new(const comm_config *cfg, int rank, int world, shm **out)
 {
     shm *g = calloc(1, sizeof(*g));
@@ -743,7 +737,8 @@ static comm_err shm_listen(shm *g, rdzv_store *store, int host, int *lfd, uint64
     snprintf(key, sizeof(key), "shm/%d", host);
     snprintf(v, sizeof(v), "%s %016" PRIx64, name, *nonce);
     rdzv_err re = rdzv_store_set(store, key, v, strlen(v));
-    if (re != RDZV_OK) return store_error(&g->base, store, re, "publishing the segment's socket");
+    if (re != RDZV_OK)
+        return comm_store_error(&g->base, store, re, "publishing the segment's socket");
     return COMM_OK;
 }
 
@@ -772,7 +767,7 @@ static comm_err shm_group(const comm_config *cfg, const int *host_of, int lrank,
         snprintf(key, sizeof(key), "shm/%d", host);
         rdzv_err re = rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), &val, &len);
         if (re != RDZV_OK)
-            err = store_error(&g->base, cfg->store, re, "waiting for the segment's socket");
+            err = comm_store_error(&g->base, cfg->store, re, "waiting for the segment's socket");
         else if (sscanf(val, "%63s %" SCNx64, name, &nonce) != 2)
             err = comm_fail(&g->base, COMM_ERR_STORE, "malformed segment socket '%s'", (char *)val);
         else
@@ -813,7 +808,7 @@ static comm_err cpu_decide(comm *c, const comm_config *cfg, const char *mine, in
         rdzv_err re =
             rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), (void **)&ids[r], &len);
         if (re != RDZV_OK) {
-            err = store_error(c, cfg->store, re, "waiting for the ranks' hosts");
+            err = comm_store_error(c, cfg->store, re, "waiting for the ranks' hosts");
             goto out;
         }
     }
@@ -828,7 +823,7 @@ static comm_err cpu_decide(comm *c, const comm_config *cfg, const char *mine, in
     }
     if (ring) strcpy(v, "ring");
     rdzv_err re = rdzv_store_set(cfg->store, "transport", v, strlen(v));
-    if (re != RDZV_OK) err = store_error(c, cfg->store, re, "publishing the transport");
+    if (re != RDZV_OK) err = comm_store_error(c, cfg->store, re, "publishing the transport");
 out:
     for (int r = 0; ids && r < w; r++)
         free(ids[r]);
@@ -870,7 +865,7 @@ static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int
         snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
     snprintf(key, sizeof(key), "host/%d", cfg->rank);
     rdzv_err re = rdzv_store_set(cfg->store, key, host, strlen(host));
-    if (re != RDZV_OK) return store_error(c, cfg->store, re, "publishing the host");
+    if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "publishing the host");
     if (cfg->rank == 0) {
         comm_err err = cpu_decide(c, cfg, host, deadline);
         if (err != COMM_OK) return err;
@@ -878,7 +873,7 @@ static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int
     void *val = NULL;
     size_t len = 0;
     re = rdzv_store_wait(cfg->store, "transport", ring_ms_left(deadline), &val, &len);
-    if (re != RDZV_OK) return store_error(c, cfg->store, re, "waiting for rank 0's transport");
+    if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "waiting for rank 0's transport");
     comm_err err = COMM_OK;
     if (strcmp(val, "ring") != 0) {
         *host_of = malloc(sizeof(int) * (size_t)cfg->world_size);
