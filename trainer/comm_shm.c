@@ -51,6 +51,7 @@
 #include "ductile/failpoint.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <inttypes.h>
@@ -671,9 +672,14 @@ static comm_err shm_join(shm *g, const char *name, uint64_t nonce, int64_t deadl
     socklen_t sl = shm_sockaddr(name, &sa);
     int fd = -1, e = 0;
     for (;;) {
-        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        /* Non-blocking: with rank 0's backlog full (strays) connect says
+         * EAGAIN instead of blocking past the deadline. */
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         if (fd < 0) return shm_fail(g, COMM_ERR_SYS, "socket: %s", strerror(errno));
-        if (connect(fd, (struct sockaddr *)&sa, sl) == 0) break;
+        if (connect(fd, (struct sockaddr *)&sa, sl) == 0) {
+            fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+            break;
+        }
         e = errno;
         close(fd);
         fd = -1;
