@@ -44,7 +44,9 @@ means every worker of the new round has started and written its report.
                             Baseline: etcd's over the same window.
 """
 import argparse
+import collections
 import os
+import select
 import re
 import signal
 import statistics
@@ -248,14 +250,6 @@ def rss_breakdown(pid, exe):
     return parts
 
 
-def thread_names(pid):
-    """pid's threads by name (/proc/PID/task/TID/comm), each with its count."""
-    names = {}
-    for text in task_files(pid, "comm"):
-        names[text.strip()] = names.get(text.strip(), 0) + 1
-    return names
-
-
 def cpu_s(pid):
     with open("/proc/%d/stat" % pid) as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -273,7 +267,13 @@ def floors(n):
     """n agent-floor processes, each serving HTTP on a port of its own."""
     ps = [subprocess.Popen([at.ARGS.floor, at.ETCD, str(at.free_port())], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    deadline = time.monotonic() + 30
     for p in ps:
+        # Its first line says it is up; a floor that says nothing in time fails the bench.
+        if not select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            for q in ps:
+                q.kill()
+            raise at.Fail("agent-floor said nothing within 30 s")
         if not p.stdout.readline():
             raise at.Fail("agent-floor exited with %s" % p.wait())
     return ps
@@ -290,7 +290,7 @@ def costs(window):
         # The breakdown of the agent (and floor) whose VmRSS is nearest the median.
         agent_rss, mid, parts = median_breakdown([a.proc.pid for a in agents], at.ARGS.agent)
         floor_rss, _, floor_parts = median_breakdown([p.pid for p in fl], at.ARGS.floor)
-        threads = thread_names(mid)
+        threads = collections.Counter(at.thread_names(mid).values())
         worker_rss = statistics.median(rss_kib(w["_pid"]) for w in job.alive_workers())
         etcd = int(os.environ["DUCTILE_TEST_ETCD_PID"])
         a0 = [cpu_s(a.proc.pid) for a in agents]
