@@ -205,8 +205,19 @@ class State:
             ctx.boundary(vote=True)
 
     def _snapshot(self):
+        live = list(self.model.buffers())
+        kept = self._saved[0] if self._saved is not None else None
         with torch.no_grad():
-            buffers = [b.detach().clone() for b in self.model.buffers()]
+            # Copied into last commit's tensors when the buffers still match
+            # them (every step but the first): no allocation per step.
+            if kept is not None and len(kept) == len(live) and all(
+                    k.shape == b.shape and k.dtype == b.dtype and k.device == b.device
+                    for k, b in zip(kept, live)):
+                for k, b in zip(kept, live):
+                    k.copy_(b)
+                buffers = kept
+            else:
+                buffers = [b.detach().clone() for b in live]
         self._saved = (buffers, copy.deepcopy({k: getattr(self, k) for k in self._extra}))
 
     def restore(self):
