@@ -476,12 +476,12 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
 {
     char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX];
     begin_seek(r);
-    rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
-             r->node);
     const etcd_kv *own = s->own;
     if (own && own->lease != r->lease) return drop_stale_join(r, own);
     if (!own) {
         /* Join: create-only, and only while the round is still current. */
+        rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
+                 r->node);
         rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
         rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/%s", r->node);
         char num[32];
