@@ -78,6 +78,7 @@ static void rdzv_free(rdzv *r)
     rdzv_sentinel_free(r);
     rdzv_probe_stop(r->probe);
     free(r->round_cache);
+    if (r->have_last) rdzv_record_free(&r->last_rec);
     for (size_t i = 0; i < sizeof(r->strs) / sizeof(r->strs[0]); i++)
         free(r->strs[i]);
     pthread_mutex_destroy(&r->api_mu);

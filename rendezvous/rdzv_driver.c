@@ -40,7 +40,7 @@ typedef struct snapshot {
     etcd_txn_result txn;
     const etcd_kv *mine; /* this node's registration (keys only in a frozen round) */
     /* frozen round: the ring's next members (rdzv_ring_next), by index in the
-     * record, with their registrations (keys only) and leave markers */
+     * record, with their registrations and leave markers (keys only) */
     int nnext;
     int next[RDZV_RING_PEERS];
     const etcd_kv *next_reg[RDZV_RING_PEERS], *next_left[RDZV_RING_PEERS];
@@ -80,7 +80,8 @@ static int member_me(const rdzv *r, const rdzv_record *rec)
 /* The snapshot a step needs, read in one txn guarded by the round record's
  * mod_revision. For a frozen round: this node's registration, and of the
  * ring's next members after it (rdzv_ring_next; a node not in the round:
- * the first members) each registration (keys only) and leave marker, and
+ * the first members) each registration (with its value, which the
+ * sentinel uses: rdzv_sentinel_reg) and leave marker (keys only), and
  * the waiting keys; never every registration ("Rounds", End). For an open
  * round only single keys and
  * counts, whatever N: this node's registration and join, the counts of
@@ -118,7 +119,8 @@ static rdzv_err read_snapshot(rdzv *r, const rdzv_record *rec, int64_t mod, snap
             const char *node = rec->members[s->next[i]].node;
             rdzv_key(reg[i], sizeof(reg[i]), r->cfg.job, "nodes/%s", node);
             rdzv_key(left[i], sizeof(left[i]), r->cfg.job, "rounds/%lld/left/%s", number, node);
-            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = reg[i], .keys_only = 1};
+            /* with its value: the sentinel holds its probe (rdzv_sentinel_reg) */
+            ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = reg[i]};
             ops[nops++] = (etcd_op){.type = ETCD_OP_RANGE, .key = left[i], .keys_only = 1};
         }
     } else {
@@ -307,6 +309,7 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
      * died, only it can tell), or a waiting node and room. */
     for (int i = 0; i < s->nnext; i++) {
         const rdzv_rec_member *m = &rec->members[s->next[i]];
+        if (me >= 0) rdzv_sentinel_reg(r->sentinel, m->node, s->next_reg[i]);
         if (s->next_left[i])
             return open_next(r, rec, mod, RDZV_CAUSE_MEMBER_LEFT, m->node, "node %s left", m->node);
         const etcd_kv *kv = s->next_reg[i];
@@ -472,41 +475,71 @@ static int freezer_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snap
     return rc;
 }
 
+/* Joins the open round: create-only, and only while the round is still
+ * current (epoch). The same txn reads this join and the one before it
+ * (a range after a put in one txn sees the put; sorted by create revision
+ * in etcd, limit 2, keys only), so a joiner with one before it watches
+ * that one at once, without a snapshot more; the earliest (the freezer)
+ * takes its snapshot as before. A round that froze or moved meanwhile is
+ * not missed: the `round` watch wakes the driver for it. */
+static int join(rdzv *r, const rdzv_record *rec)
+{
+    char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX];
+    rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
+             r->node);
+    rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
+    rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
+    rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/%s", r->node);
+    char num[32];
+    snprintf(num, sizeof(num), "%lld", (long long)rec->number);
+    etcd_cmp current = {.key = epoch,
+                        .target = ETCD_CMP_VALUE,
+                        .op = ETCD_CMP_EQUAL,
+                        .value = num,
+                        .value_len = strlen(num)};
+    etcd_op also[2] = {{.type = ETCD_OP_DELETE, .key = waiting},
+                       {.type = ETCD_OP_RANGE,
+                        .key = joined,
+                        .prefix = 1,
+                        .limit = 2,
+                        .keys_only = 1,
+                        .sort = ETCD_SORT_CREATE_DESCEND}};
+    etcd_txn_result res;
+    rdzv_err err = rdzv_register_txn(r, r->dc, key, &current, also, 2, &res);
+    if (err != RDZV_OK) return err;
+    r->waiting_written = 0;
+    r->spare_round = 0;
+    int rc = STEP_SNAPSHOT;
+    if (res.succeeded) {
+        /* the txn's revision is the join's create revision */
+        r->join_round = rec->number;
+        r->join_rev = res.revision;
+        dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
+        const etcd_range_result *jr = res.n == 3 ? &res.ranges[2] : NULL;
+        if (jr && jr->n >= 1 && strcmp(jr->kvs[0].key, key) == 0 &&
+            jr->kvs[0].create_revision == res.revision) {
+            if (jr->n >= 2 && jr->kvs[1].create_revision < res.revision) {
+                /* Not the freezer: watch the joiner just before this one. */
+                r->fz_round = 0;
+                rdzv_set_join_watch(r, jr->kvs[1].key, 0, res.revision + 1);
+                rc = RDZV_OK;
+            } else if (jr->n == 1) {
+                /* The earliest: its next snapshot is the freezer's. */
+                r->fz_round = rec->number;
+                r->fz_count = -1;
+            }
+        }
+    }
+    etcd_txn_result_free(&res);
+    return rc;
+}
+
 static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapshot *s)
 {
-    char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX];
     begin_seek(r);
     const etcd_kv *own = s->own;
     if (own && own->lease != r->lease) return drop_stale_join(r, own);
-    if (!own) {
-        /* Join: create-only, and only while the round is still current. */
-        rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
-                 r->node);
-        rdzv_key(epoch, sizeof(epoch), r->cfg.job, "epoch");
-        rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/%s", r->node);
-        char num[32];
-        snprintf(num, sizeof(num), "%lld", (long long)rec->number);
-        etcd_cmp current = {.key = epoch,
-                            .target = ETCD_CMP_VALUE,
-                            .op = ETCD_CMP_EQUAL,
-                            .value = num,
-                            .value_len = strlen(num)};
-        etcd_op unwait = {.type = ETCD_OP_DELETE, .key = waiting};
-        int won = 0;
-        int64_t rev = 0;
-        rdzv_err err = rdzv_register_node(r, r->dc, key, &current, &unwait, &won, &rev);
-        if (err != RDZV_OK) return err;
-        r->waiting_written = 0;
-        r->spare_round = 0;
-        if (won) {
-            /* the txn's revision is the join's create revision: the next
-             * snapshot asks for the join before it */
-            r->join_round = rec->number;
-            r->join_rev = rev;
-            dlog_debug(&r->log, NULL, "joined round %lld", (long long)rec->number);
-        }
-        return STEP_SNAPSHOT;
-    }
+    if (!own) return join(r, rec);
     if (r->join_round != rec->number || r->join_rev != own->create_revision) {
         /* A join this driver did not see made (an answer lost): learn its
          * revision, then read again with the join before it. */
@@ -580,19 +613,35 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
     return rc;
 }
 
-static rdzv_err reconcile(rdzv *r)
+/* Steps until one has nothing more to do. The first step's record is the
+ * newest a `round` watch event brought, else (reuse: nothing but a join
+ * event, a timer or a registration woke the driver) the record the last
+ * step ended on, else read. A kept record that moved costs one snapshot:
+ * its guard fails and the step reads the record again. */
+static rdzv_err reconcile(rdzv *r, int reuse)
 {
     rdzv_record rec;
     memset(&rec, 0, sizeof(rec));
     int64_t mod = 0;
     int keep = 0; /* rec and mod hold the record the last step took */
+    int from_watch = rdzv_take_cached_round(r, &rec, &mod);
+    if ((from_watch || !reuse) && r->have_last) {
+        rdzv_record_free(&r->last_rec);
+        r->have_last = 0;
+    }
     for (int attempt = 0; attempt < 100 && !r->terminal; attempt++) {
         int have = keep;
         rdzv_err err = RDZV_OK;
-        if (!keep && attempt == 0 && rdzv_take_cached_round(r, &rec, &mod))
+        if (!keep && attempt == 0 && from_watch) {
             have = 1;
-        else if (!keep)
+        } else if (!keep && attempt == 0 && r->have_last) {
+            rec = r->last_rec;
+            mod = r->last_mod;
+            r->have_last = 0;
+            have = 1;
+        } else if (!keep) {
             err = rdzv_read_round(r, r->dc, &rec, &mod, &have);
+        }
         if (err == RDZV_ERR_PROTOCOL) {
             rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_PROTOCOL,
                              "malformed round record under /ductile/%s/round", r->cfg.job);
@@ -608,6 +657,12 @@ static rdzv_err reconcile(rdzv *r)
         int rc = step(r, &rec, mod);
         keep = rc == STEP_SNAPSHOT;
         if (keep) continue;
+        if (rc == RDZV_OK && !r->terminal) {
+            r->last_rec = rec;
+            r->last_mod = mod;
+            r->have_last = 1;
+            return RDZV_OK;
+        }
         rdzv_record_free(&rec);
         if (rc != STEP_AGAIN) return (rdzv_err)rc;
     }
@@ -656,10 +711,11 @@ void *rdzv_driver_main(void *arg)
             need || timer || (dirty & (RDZV_TAG_ROUND | RDZV_TAG_JOIN | RDZV_TAG_RESYNC)) ||
             ((dirty & (RDZV_TAG_NODES | RDZV_TAG_WAITING)) && (r->in_round || r->spare_round));
         if (!relevant) continue;
+        int reuse = !need && !(dirty & (RDZV_TAG_ROUND | RDZV_TAG_RESYNC));
         need = 0;
         r->last_call_at = 0;
         r->retry_at = 0;
-        rdzv_err err = reconcile(r);
+        rdzv_err err = reconcile(r, reuse);
         if (r->terminal) break;
         if (err != RDZV_OK) {
             dlog_debug(&r->log, NULL, "step failed: %s (%s); retrying in %lld ms",

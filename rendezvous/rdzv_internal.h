@@ -168,6 +168,12 @@ struct rdzv {
     int terminal;
     int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
     int64_t join_round, join_rev; /* this node's join: its round and create revision */
+    /* the record of the last step that ended in RDZV_OK, kept for the next
+     * step that no change of `round` woke (a join event, a timer): its
+     * snapshot's guard tells if it moved meanwhile (reconcile) */
+    rdzv_record last_rec;
+    int64_t last_mod;
+    int have_last;
     /* what the handle costs etcd (rdzv_get_counts): atomics, added to by
      * every connection of the handle and the driver */
     rdzv_counts counts;
@@ -208,6 +214,10 @@ int rdzv_state_elsewhere(const rdzv_job_state *st, const char *install);
  * which revision. */
 rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
                             const etcd_op *also, int *won, int64_t *revision);
+/* The same txn with nalso (at most 2) more ops, its whole result in *out
+ * (may be NULL; the caller frees it): ranges[1 + i] is also[i]'s. */
+rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
+                           const etcd_op *also, size_t nalso, etcd_txn_result *out);
 
 /* The value of this node's registration and joins: {addr, lws, inc,
  * probe} (malloc'd), probe being the port of its liveness responder. */
@@ -260,6 +270,10 @@ rdzv_err rdzv_sentinel_start(rdzv *r);
 /* Watches round's next members after this node (NULL or a round without
  * it: none). */
 void rdzv_sentinel_watch(rdzv_sentinel *s, const rdzv_round *round);
+/* The registration of node (kv: its key and value) as the driver's snapshot
+ * of the watched round read it: the sentinel uses it instead of reading the
+ * key itself, once. */
+void rdzv_sentinel_reg(rdzv_sentinel *s, const char *node, const etcd_kv *kv);
 void rdzv_sentinel_stop(rdzv *r); /* joins the thread; again: nothing */
 void rdzv_sentinel_free(rdzv *r);
 

@@ -146,9 +146,11 @@ char *rdzv_node_value(const rdzv *r)
     return val;
 }
 
-rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                            const etcd_op *also, int *won, int64_t *revision)
+rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
+                           const etcd_op *also, size_t nalso, etcd_txn_result *out)
 {
+    enum { MAX_ALSO = 2 };
+    if (nalso > MAX_ALSO) return RDZV_ERR_ARG;
     char *val = rdzv_node_value(r);
     if (!val) return RDZV_ERR_NOMEM;
     etcd_cmp cmps[2];
@@ -156,23 +158,28 @@ rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd
     if (guard) cmps[ncmps++] = *guard;
     cmps[ncmps++] =
         (etcd_cmp){.key = key, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL, .number = 0};
-    etcd_op ops[2] = {
+    etcd_op ops[1 + MAX_ALSO] = {
         {.type = ETCD_OP_PUT,
          .key = key,
          .value = val,
          .value_len = strlen(val),
          .lease = r->lease},
     };
-    size_t nops = 1;
-    if (also) ops[nops++] = *also;
-    etcd_txn_result res, *out = won || revision ? &res : NULL;
-    etcd_err e = etcd_txn(c, cmps, ncmps, ops, nops, NULL, 0, out);
+    for (size_t i = 0; i < nalso; i++)
+        ops[1 + i] = also[i];
+    etcd_err e = etcd_txn(c, cmps, ncmps, ops, 1 + nalso, NULL, 0, out);
     free(val);
-    if (e != ETCD_OK) return RDZV_ERR_ETCD;
-    if (out) {
-        if (won) *won = res.succeeded;
-        if (revision) *revision = res.revision;
-        etcd_txn_result_free(&res);
-    }
+    return e == ETCD_OK ? RDZV_OK : RDZV_ERR_ETCD;
+}
+
+rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
+                            const etcd_op *also, int *won, int64_t *revision)
+{
+    etcd_txn_result res, *out = won || revision ? &res : NULL;
+    rdzv_err err = rdzv_register_txn(r, c, key, guard, also, also ? 1 : 0, out);
+    if (err != RDZV_OK || !out) return err;
+    if (won) *won = res.succeeded;
+    if (revision) *revision = res.revision;
+    etcd_txn_result_free(&res);
     return RDZV_OK;
 }

@@ -43,12 +43,19 @@
 #include <unistd.h>
 
 #define SENTINEL_RETRY_MS 1000 /* after a member's probe could not be reached */
+/* How long the sentinel waits for the driver's snapshot to bring a member's
+ * registration before it reads the key itself (the snapshot comes a round
+ * trip after the record; reading anyway costs etcd one request more). */
+#define SENTINEL_REG_WAIT_MS 1000
 
 typedef struct peer {
     char node[RDZV_NODE_ID_MAX + 1];
     int fd;           /* the held connection, -1 when none */
     int done;         /* nothing more to do for it in this round */
     int64_t retry_at; /* next connection attempt (mono ms) */
+    int wait_reg;     /* the first attempt waits for the snapshot's registration */
+    int has_reg;      /* reg came with the driver's snapshot: no read of our own */
+    rdzv_reg reg;
 } peer;
 
 struct rdzv_sentinel {
@@ -60,6 +67,10 @@ struct rdzv_sentinel {
     int holding;  /* connections held now (rdzv_watching) */
     int n;
     char nodes[RDZV_RING_PEERS][RDZV_NODE_ID_MAX + 1];
+    /* each one's registration, from the driver's snapshot of the round */
+    int have[RDZV_RING_PEERS];
+    rdzv_reg regs[RDZV_RING_PEERS];
+    int read_own; /* failpoint rdzv.sentinel=read */
 };
 
 static void wake(rdzv_sentinel *s)
@@ -75,16 +86,36 @@ void rdzv_sentinel_watch(rdzv_sentinel *s, const rdzv_round *round)
     const char *fp = round ? failpoint("rdzv.sentinel") : NULL;
     if (fp && strcmp(fp, "off") == 0) round = NULL;
     pthread_mutex_lock(&s->mu);
+    /* "read": the snapshot's registrations are not taken (the path where
+     * the sentinel reads each one itself) */
+    s->read_own = fp && strcmp(fp, "read") == 0;
     s->n = 0;
     int next[RDZV_RING_PEERS], k = 0;
     if (round && round->my_rank >= 0) k = rdzv_ring_next(round->my_rank, round->nmembers, next);
     for (int i = 0; i < k; i++) {
         const rdzv_member *m = &round->members[next[i]];
-        if (m->node_id) snprintf(s->nodes[s->n++], RDZV_NODE_ID_MAX + 1, "%s", m->node_id);
+        if (m->node_id) {
+            s->have[s->n] = 0;
+            snprintf(s->nodes[s->n++], RDZV_NODE_ID_MAX + 1, "%s", m->node_id);
+        }
     }
     s->gen++;
     pthread_mutex_unlock(&s->mu);
     wake(s);
+}
+
+void rdzv_sentinel_reg(rdzv_sentinel *s, const char *node, const etcd_kv *kv)
+{
+    if (!s || !kv) return;
+    int woke = 0;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; !s->read_own && i < s->n; i++)
+        if (!s->have[i] && strcmp(s->nodes[i], node) == 0) {
+            rdzv_reg_parse(kv, &s->regs[i]);
+            s->have[i] = woke = 1;
+        }
+    pthread_mutex_unlock(&s->mu);
+    if (woke) wake(s);
 }
 
 /* The member's connection ended, or its probe refused: check it as a
@@ -110,29 +141,44 @@ static void suspect(rdzv *r, peer *p, const char *how)
                    p->node, how, why);
 }
 
-/* One attempt to hold p's probe connection. */
-static void connect_peer(rdzv *r, peer *p)
+/* The member's registration: the one the driver's snapshot brought, the
+ * first time; else (waited long enough for it, or a retry) read now.
+ * 1 with *reg, 0 for nothing more to do, -1 to retry later. */
+static int peer_reg(rdzv *r, peer *p, rdzv_reg *reg)
 {
-    char key[RDZV_KEY_MAX], why[RDZV_MSG_MAX] = "";
-    etcd_kv kv;
-    if (rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", p->node) != 0) {
-        p->done = 1;
-        return;
+    if (p->has_reg) {
+        *reg = p->reg;
+        p->has_reg = 0; /* a retry reads afresh */
+        return 1;
     }
+    char key[RDZV_KEY_MAX];
+    etcd_kv kv;
+    if (rdzv_key(key, sizeof(key), r->cfg.job, "nodes/%s", p->node) != 0) return 0;
     pthread_mutex_lock(&r->rep_mu);
     etcd_err e = etcd_get(r->rep, key, &kv);
     pthread_mutex_unlock(&r->rep_mu);
-    if (e == ETCD_ERR_NOT_FOUND) { /* its key's end ends the round already */
+    if (e == ETCD_ERR_NOT_FOUND) return 0; /* its key's end ends the round already */
+    if (e != ETCD_OK) return -1;
+    rdzv_reg_parse(&kv, reg);
+    etcd_kv_free(&kv);
+    return 1;
+}
+
+/* One attempt to hold p's probe connection. */
+static void connect_peer(rdzv *r, peer *p)
+{
+    char why[RDZV_MSG_MAX] = "";
+    rdzv_reg reg;
+    p->wait_reg = 0;
+    int got = peer_reg(r, p, &reg);
+    if (got == 0) {
         p->done = 1;
         return;
     }
-    if (e != ETCD_OK) {
+    if (got < 0) {
         p->retry_at = mono_now_ms() + SENTINEL_RETRY_MS;
         return;
     }
-    rdzv_reg reg;
-    rdzv_reg_parse(&kv, &reg);
-    etcd_kv_free(&kv);
     if (reg.probe <= 0) { /* no probe: its lease is the only witness */
         p->done = 1;
         return;
@@ -191,12 +237,21 @@ static void *sentinel_main(void *arg)
             drop_all(ps, np);
             s->holding = 0;
             np = s->n;
+            /* the first attempt waits a moment for the snapshot's registration */
+            int64_t wait_reg = mono_now_ms() + SENTINEL_REG_WAIT_MS;
             for (int i = 0; i < np; i++)
-                ps[i] = (peer){.fd = -1};
+                ps[i] = (peer){.fd = -1, .retry_at = wait_reg, .wait_reg = 1};
             for (int i = 0; i < np; i++)
                 memcpy(ps[i].node, s->nodes[i], sizeof(ps[i].node));
             seen = s->gen;
         }
+        for (int i = 0; !stop && i < np; i++)
+            if (ps[i].wait_reg && s->have[i]) {
+                ps[i].reg = s->regs[i];
+                ps[i].has_reg = 1;
+                ps[i].wait_reg = 0;
+                ps[i].retry_at = 0;
+            }
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
 

@@ -261,13 +261,12 @@ static int wait_watching(tp_set *s, const int *ids, int n, int want)
  * (SIGSTOP: alive, silent, its sockets open) is not cut off: the round
  * goes on, and it is still in it when it wakes. Each member watches the
  * next two before the kill (a member never seen answering is not judged). */
-static int sc_sentinel(tp_set *s)
+static int sentinel_run(tp_set *s, const char *job, const char *opts)
 {
-    snprintf(s->job, sizeof(s->job), "sentinel");
+    snprintf(s->job, sizeof(s->job), "%s", job);
     char(*lines)[LINE] = lines_alloc();
     char line[LINE];
     int ids[4];
-    const char *opts = "--min 2 --max 4 --ttl 60 --last-call-ms 300 --addr 127.0.0.1";
     if (start_round(s, 4, opts, ids, lines) != 0) return 1;
     if (wait_watching(s, ids, 4, 2) != 0) return 1;
     int victim = holder(lines, 4, 1);
@@ -290,6 +289,23 @@ static int sc_sentinel(tp_set *s)
     }
     free(lines);
     return 0;
+}
+
+/* The sentinel takes each watched member's registration from the driver's
+ * snapshot of the round (no read of its own)... */
+static int sc_sentinel(tp_set *s)
+{
+    return sentinel_run(s, "sentinel",
+                        "--min 2 --max 4 --ttl 60 --last-call-ms 300 --addr 127.0.0.1");
+}
+
+/* ...and where none comes (failpoint: the snapshot's are not taken), it
+ * reads the registration itself and watches the same. */
+static int sc_sentinel_read(tp_set *s)
+{
+    return sentinel_run(s, "sentinel-read",
+                        "--min 2 --max 4 --ttl 60 --last-call-ms 300 --addr 127.0.0.1 "
+                        "--failpoints rdzv.sentinel=1+:read");
 }
 
 static int sc_leave(tp_set *s)
@@ -774,13 +790,21 @@ static int sc_errors(tp_set *s)
 int main(int argc, char **argv)
 {
     static const tp_scenario scenarios[] = {
-        {"form", sc_form},         {"kill", sc_kill},
-        {"sentinel", sc_sentinel}, {"leave", sc_leave},
-        {"waiting", sc_waiting},   {"failure", sc_failure},
-        {"finish", sc_finish},     {"etcd-restart", sc_etcd_restart},
-        {"takeover", sc_takeover}, {"restart", sc_restart},
-        {"twin", sc_twin},         {"stall", sc_stall},
-        {"all-dead", sc_all_dead}, {"errors", sc_errors},
+        {"form", sc_form},
+        {"kill", sc_kill},
+        {"sentinel", sc_sentinel},
+        {"sentinel-read", sc_sentinel_read},
+        {"leave", sc_leave},
+        {"waiting", sc_waiting},
+        {"failure", sc_failure},
+        {"finish", sc_finish},
+        {"etcd-restart", sc_etcd_restart},
+        {"takeover", sc_takeover},
+        {"restart", sc_restart},
+        {"twin", sc_twin},
+        {"stall", sc_stall},
+        {"all-dead", sc_all_dead},
+        {"errors", sc_errors},
         {"ring", sc_ring},
     };
     return tp_main(argc, argv, RDZV_PARTICIPANT, scenarios,
