@@ -89,23 +89,15 @@ static void rdzv_free(rdzv *r)
     free(r);
 }
 
-/* Reads the job state; RDZV_ERR_JOB_DONE / _FAILED when the job has ended. */
-static rdzv_err check_job_state(rdzv *r, char *msg)
+/* The job state (kv: the `state` key, NULL when there is none);
+ * RDZV_ERR_JOB_DONE / _FAILED when the job has ended. */
+static rdzv_err check_job_state(rdzv *r, const etcd_kv *kv, char *msg)
 {
+    if (!kv) return RDZV_OK;
     char key[RDZV_KEY_MAX];
     rdzv_key(key, sizeof(key), r->cfg.job, "state");
-    etcd_kv kv;
-    etcd_err e = etcd_get(r->api, key, &kv);
-    if (e == ETCD_ERR_NOT_FOUND) return RDZV_OK;
-    if (e != ETCD_OK) {
-        if (msg)
-            snprintf(msg, RDZV_MSG_MAX, "cannot reach etcd at %s: %s", r->etcd.endpoints,
-                     etcd_last_error(r->api)[0] ? etcd_last_error(r->api) : etcd_strerror(e));
-        return RDZV_ERR_ETCD;
-    }
     rdzv_job_state st;
-    rdzv_err err = rdzv_state_parse(kv.value, kv.value_len, &st);
-    etcd_kv_free(&kv);
+    rdzv_err err = rdzv_state_parse(kv->value, kv->value_len, &st);
     const char *inst = r->cfg.install_id;
     if (err != RDZV_OK) {
         if (msg) snprintf(msg, RDZV_MSG_MAX, "malformed job state under %.200s", key);
@@ -130,22 +122,20 @@ static rdzv_err check_job_state(rdzv *r, char *msg)
 /* --nnodes is job-wide: the first agent's limits are in the round record,
  * and an agent given others is refused (it would keep opening rounds that
  * the others freeze by other rules). */
-static rdzv_err check_job_limits(rdzv *r, char *msg)
+static rdzv_err check_job_limits(rdzv *r, const etcd_kv *kv, char *msg)
 {
     rdzv_record rec;
-    int64_t mod = 0;
-    int have = 0;
-    rdzv_err err = rdzv_read_round(r, r->api, &rec, &mod, &have);
-    if (err == RDZV_ERR_PROTOCOL) {
+    int64_t mod = kv ? kv->mod_revision : 0;
+    int have = kv != NULL;
+    rdzv_err err = kv ? rdzv_record_parse(kv->value, kv->value_len, &rec) : RDZV_OK;
+    if (err != RDZV_OK) {
         snprintf(msg, RDZV_MSG_MAX, "malformed round record under /ductile/%s/round", r->cfg.job);
         return err;
     }
-    if (err != RDZV_OK) {
-        snprintf(msg, RDZV_MSG_MAX, "cannot reach etcd at %s: %s", r->etcd.endpoints,
-                 etcd_last_error(r->api));
-        return err;
+    if (!have) {
+        r->round_absent = 1; /* the driver's first step creates it, no read before */
+        return RDZV_OK;
     }
-    if (!have) return RDZV_OK;
     /* The driver's first step starts from this record (one request less
      * per join); its snapshot is guarded by the record's mod_revision, so
      * a record that moved meanwhile is only read again. */
@@ -162,6 +152,36 @@ static rdzv_err check_job_limits(rdzv *r, char *msg)
         err = RDZV_ERR_ARG;
     }
     rdzv_record_free(&rec);
+    return err;
+}
+
+/* The job's state and round record, read in one txn (on the driver's
+ * connection: the driver has not started), then checked: an ended job,
+ * and other node limits than the job's, are refused. */
+static rdzv_err check_job(rdzv *r, char *msg)
+{
+    char state[RDZV_KEY_MAX], round[RDZV_KEY_MAX];
+    rdzv_key(state, sizeof(state), r->cfg.job, "state");
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    etcd_op ops[2] = {{.type = ETCD_OP_RANGE, .key = state}, {.type = ETCD_OP_RANGE, .key = round}};
+    etcd_txn_result res;
+    etcd_err e = etcd_txn(r->dc, NULL, 0, ops, 2, NULL, 0, &res);
+    if (e != ETCD_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "cannot reach etcd at %s: %s", r->etcd.endpoints,
+                 etcd_last_error(r->dc)[0] ? etcd_last_error(r->dc) : etcd_strerror(e));
+        return RDZV_ERR_ETCD;
+    }
+    rdzv_err err = RDZV_ERR_PROTOCOL;
+    if (res.n != 2) {
+        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: malformed answer to a txn of two ranges",
+                 r->etcd.endpoints);
+    } else {
+        const etcd_kv *st = res.ranges[0].n ? &res.ranges[0].kvs[0] : NULL;
+        const etcd_kv *rd = res.ranges[1].n ? &res.ranges[1].kvs[0] : NULL;
+        err = check_job_state(r, st, msg);
+        if (err == RDZV_OK) err = check_job_limits(r, rd, msg);
+    }
+    etcd_txn_result_free(&res);
     return err;
 }
 
@@ -363,8 +383,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     etcd_client *mine[] = {r->api, r->rep, r->dc, r->kac};
     for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); i++)
         etcd_client_count_into(mine[i], &r->counts.etcd);
-    if ((err = check_job_state(r, msg)) != RDZV_OK) goto err;
-    if ((err = check_job_limits(r, msg)) != RDZV_OK) goto err;
+    if ((err = check_job(r, msg)) != RDZV_OK) goto err;
 
     if ((err = rdzv_probe_start(r->cfg.addr, r->node, &r->probe)) != RDZV_OK) {
         snprintf(msg, RDZV_MSG_MAX, "cannot start the liveness probe");

@@ -191,8 +191,12 @@ static rdzv_err read_joins(rdzv *r, const rdzv_record *rec, int64_t mod, etcd_tx
     return RDZV_OK;
 }
 
-static rdzv_err create_first_round(rdzv *r)
+/* Creates round 1 if there is no round; *rec and *mod are then the record
+ * there is, the one written or the one found in its place (*got 0: none,
+ * read it). */
+static rdzv_err create_first_round(rdzv *r, rdzv_record *out, int64_t *mod, int *got)
 {
+    *got = 0;
     rdzv_record rec;
     memset(&rec, 0, sizeof(rec));
     rec.number = 1;
@@ -203,10 +207,21 @@ static rdzv_err create_first_round(rdzv *r)
     char *st = rdzv_state_json(r, "running", "");
     if (!st) return RDZV_ERR_NOMEM;
     int won = 0;
-    rdzv_err err = rdzv_put_record(r, r->dc, &rec, 0, 1, st, &won);
+    rdzv_seen seen;
+    rdzv_err err = rdzv_put_record_seen(r, r->dc, &rec, 0, 1, st, &won, &seen);
     free(st);
-    if (err == RDZV_OK && won) dlog_debug(&r->log, NULL, "created round 1");
-    return err;
+    if (err != RDZV_OK) return err;
+    if (won) {
+        dlog_debug(&r->log, NULL, "created round 1");
+        *out = rec; /* owns nothing: no members, no previous order */
+        *mod = seen.mod;
+        *got = 1;
+    } else if (seen.have) {
+        *out = seen.rec;
+        *mod = seen.mod;
+        *got = 1;
+    }
+    return RDZV_OK;
 }
 
 static int open_next(rdzv *r, const rdzv_record *rec, int64_t mod, rdzv_cause cause,
@@ -639,9 +654,12 @@ static rdzv_err reconcile(rdzv *r, int reuse)
             mod = r->last_mod;
             r->have_last = 0;
             have = 1;
+        } else if (!keep && attempt == 0 && r->round_absent) {
+            have = 0; /* rdzv_open found none: create it, which reads it anyway */
         } else if (!keep) {
             err = rdzv_read_round(r, r->dc, &rec, &mod, &have);
         }
+        r->round_absent = 0;
         if (err == RDZV_ERR_PROTOCOL) {
             rdzv_emit_simple(r, RDZV_EV_ERROR, RDZV_ERR_PROTOCOL,
                              "malformed round record under /ductile/%s/round", r->cfg.job);
@@ -650,7 +668,7 @@ static rdzv_err reconcile(rdzv *r, int reuse)
         }
         if (err != RDZV_OK) return err;
         if (!have) {
-            err = create_first_round(r);
+            err = create_first_round(r, &rec, &mod, &keep);
             if (err != RDZV_OK) return err;
             continue;
         }

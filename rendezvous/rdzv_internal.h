@@ -168,6 +168,7 @@ struct rdzv {
     int terminal;
     int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
     int64_t join_round, join_rev; /* this node's join: its round and create revision */
+    int round_absent; /* rdzv_open found no round: the first step creates it */
     /* the record of the last step that ended in RDZV_OK, kept for the next
      * step that no change of `round` woke (a join event, a timer): its
      * snapshot's guard tells if it moved meanwhile (reconcile) */
@@ -194,6 +195,17 @@ void *rdzv_driver_main(void *arg);
 rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod, int *have);
 rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
                          int bump_epoch, const char *state_json, int *won);
+/* The same, and what the record is now: won, seen->mod is the written
+ * record's mod_revision; lost, seen->rec (seen->have: 1; the caller frees
+ * it) and seen->mod are the record that is there instead, read in the same
+ * txn (have 0 when there is none). */
+typedef struct rdzv_seen {
+    rdzv_record rec;
+    int64_t mod;
+    int have;
+} rdzv_seen;
+rdzv_err rdzv_put_record_seen(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
+                              int bump_epoch, const char *state_json, int *won, rdzv_seen *seen);
 /* The job state key's value: {"state", "reason"} and, when the writer has
  * one, its "install" id. */
 char *rdzv_state_json(const rdzv *r, const char *state, const char *reason);

@@ -48,6 +48,12 @@ rdzv_err rdzv_read_round(rdzv *r, etcd_client *c, rdzv_record *rec, int64_t *mod
 rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
                          int bump_epoch, const char *state_json, int *won)
 {
+    return rdzv_put_record_seen(r, c, next, mod, bump_epoch, state_json, won, NULL);
+}
+
+rdzv_err rdzv_put_record_seen(rdzv *r, etcd_client *c, const rdzv_record *next, int64_t mod,
+                              int bump_epoch, const char *state_json, int *won, rdzv_seen *seen)
+{
     char round[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], stale[RDZV_KEY_MAX], restarts[RDZV_KEY_MAX],
         state[RDZV_KEY_MAX];
     rdzv_key(round, sizeof(round), r->cfg.job, "round");
@@ -83,14 +89,26 @@ rdzv_err rdzv_put_record(rdzv *r, etcd_client *c, const rdzv_record *next, int64
                              .key = state,
                              .value = state_json,
                              .value_len = strlen(state_json)};
+    etcd_op els = {.type = ETCD_OP_RANGE, .key = round};
     etcd_txn_result res;
-    etcd_err e = etcd_txn(c, &cmp, 1, ops, n, NULL, 0, &res);
+    etcd_err e = etcd_txn(c, &cmp, 1, ops, n, seen ? &els : NULL, seen ? 1 : 0, &res);
     free(json);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
     *won = res.succeeded;
     if (!res.succeeded) __atomic_fetch_add(&r->counts.moved, 1, __ATOMIC_RELAXED);
+    rdzv_err err = RDZV_OK;
+    if (seen) {
+        memset(seen, 0, sizeof(*seen));
+        seen->mod = res.revision; /* won: the record's mod_revision */
+        if (!res.succeeded && res.n == 1 && res.ranges[0].n == 1) {
+            const etcd_kv *kv = &res.ranges[0].kvs[0];
+            err = rdzv_record_parse(kv->value, kv->value_len, &seen->rec);
+            seen->mod = kv->mod_revision;
+            seen->have = err == RDZV_OK;
+        }
+    }
     etcd_txn_result_free(&res);
-    return RDZV_OK;
+    return err;
 }
 
 char *rdzv_state_json(const rdzv *r, const char *state, const char *reason)
