@@ -304,8 +304,8 @@ static int frozen_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snaps
 {
     char key[RDZV_KEY_MAX];
     rdzv_set_join_watch(r, NULL, 0, 0);
-    rdzv_start_member_watches(r, s->revision + 1);
     int me = member_me(r, rec);
+    rdzv_start_member_watches(r, s->revision + 1, me >= 0 && rec->nmembers < r->cfg.max_nodes);
     if (me < 0 && !r->waiting_written) {
         /* Not in this round: say so, for whoever sees that there is room. */
         rdzv_key(key, sizeof(key), r->cfg.job, "waiting/%s", r->node);
@@ -490,16 +490,19 @@ static int freezer_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snap
     return rc;
 }
 
-/* Joins the open round: create-only, and only while the round is still
- * current (epoch). The same txn reads this join and the one before it
- * (a range after a put in one txn sees the put; sorted by create revision
- * in etcd, limit 2, keys only), so a joiner with one before it watches
- * that one at once, without a snapshot more; the earliest (the freezer)
- * takes its snapshot as before. A round that froze or moved meanwhile is
- * not missed: the `round` watch wakes the driver for it. */
-static int join(rdzv *r, const rdzv_record *rec)
+/* Joins the open round: create-only, only while the round is still
+ * current (epoch) and its record is the one this step read (mod), and only
+ * while this node's registration is under its lease: the checks a
+ * snapshot would make first, so a node's first step in an open round joins
+ * without one. The same txn reads this join and the one before it (a
+ * range after a put in one txn sees the put; sorted by create revision in
+ * etcd, limit 2, keys only), so a joiner with one before it watches that
+ * one at once; the earliest (the freezer) takes its snapshot. Any compare
+ * that fails sends the step to a snapshot, which says which. */
+static int join(rdzv *r, const rdzv_record *rec, int64_t mod)
 {
-    char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX];
+    char key[RDZV_KEY_MAX], epoch[RDZV_KEY_MAX], waiting[RDZV_KEY_MAX], joined[RDZV_KEY_MAX],
+        round[RDZV_KEY_MAX], mine[RDZV_KEY_MAX];
     rdzv_key(key, sizeof(key), r->cfg.job, "rounds/%lld/joined/%s", (long long)rec->number,
              r->node);
     rdzv_key(joined, sizeof(joined), r->cfg.job, "rounds/%lld/joined/", (long long)rec->number);
@@ -507,11 +510,17 @@ static int join(rdzv *r, const rdzv_record *rec)
     rdzv_key(waiting, sizeof(waiting), r->cfg.job, "waiting/%s", r->node);
     char num[32];
     snprintf(num, sizeof(num), "%lld", (long long)rec->number);
-    etcd_cmp current = {.key = epoch,
-                        .target = ETCD_CMP_VALUE,
-                        .op = ETCD_CMP_EQUAL,
-                        .value = num,
-                        .value_len = strlen(num)};
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    rdzv_key(mine, sizeof(mine), r->cfg.job, "nodes/%s", r->node);
+    etcd_cmp guards[3] = {
+        {.key = epoch,
+         .target = ETCD_CMP_VALUE,
+         .op = ETCD_CMP_EQUAL,
+         .value = num,
+         .value_len = strlen(num)},
+        {.key = round, .target = ETCD_CMP_MOD, .op = ETCD_CMP_EQUAL, .number = mod},
+        {.key = mine, .target = ETCD_CMP_LEASE, .op = ETCD_CMP_EQUAL, .number = r->lease},
+    };
     etcd_op also[2] = {{.type = ETCD_OP_DELETE, .key = waiting},
                        {.type = ETCD_OP_RANGE,
                         .key = joined,
@@ -520,7 +529,7 @@ static int join(rdzv *r, const rdzv_record *rec)
                         .keys_only = 1,
                         .sort = ETCD_SORT_CREATE_DESCEND}};
     etcd_txn_result res;
-    rdzv_err err = rdzv_register_txn(r, r->dc, key, &current, also, 2, &res);
+    rdzv_err err = rdzv_register_txn(r, r->dc, key, guards, 3, also, 2, &res);
     if (err != RDZV_OK) return err;
     r->waiting_written = 0;
     r->spare_round = 0;
@@ -554,7 +563,7 @@ static int open_step(rdzv *r, const rdzv_record *rec, int64_t mod, const snapsho
     begin_seek(r);
     const etcd_kv *own = s->own;
     if (own && own->lease != r->lease) return drop_stale_join(r, own);
-    if (!own) return join(r, rec);
+    if (!own) return join(r, rec, mod);
     if (r->join_round != rec->number || r->join_rev != own->create_revision) {
         /* A join this driver did not see made (an answer lost): learn its
          * revision, then read again with the join before it. */
@@ -597,6 +606,14 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
     if (rec->frozen && rec->number > r->reported && me >= 0 && rec->members[me].lease == r->lease)
         report_frozen(r, rec);
 
+    /* An open round this node has not joined: try the join first, once
+     * per round (its compares are the snapshot's checks; if one fails, the
+     * snapshot below says which). */
+    if (!rec->frozen && r->join_round != rec->number && r->join_tried != rec->number) {
+        r->join_tried = rec->number;
+        begin_seek(r);
+        return join(r, rec, mod);
+    }
     snapshot s;
     int moved = 0;
     rdzv_err err = read_snapshot(r, rec, mod, &s, &moved);

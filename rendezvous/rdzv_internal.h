@@ -169,6 +169,7 @@ struct rdzv {
     int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
     int64_t join_round, join_rev; /* this node's join: its round and create revision */
     int round_absent; /* rdzv_open found no round: the first step creates it */
+    int64_t join_tried; /* the open round this driver last tried to join at once */
     /* the record of the last step that ended in RDZV_OK, kept for the next
      * step that no change of `round` woke (a join event, a timer): its
      * snapshot's guard tells if it moved meanwhile (reconcile) */
@@ -226,10 +227,12 @@ int rdzv_state_elsewhere(const rdzv_job_state *st, const char *install);
  * which revision. */
 rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
                             const etcd_op *also, int *won, int64_t *revision);
-/* The same txn with nalso (at most 2) more ops, its whole result in *out
- * (may be NULL; the caller frees it): ranges[1 + i] is also[i]'s. */
-rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                           const etcd_op *also, size_t nalso, etcd_txn_result *out);
+/* The same txn under nguards (at most 3) guards, with nalso (at most 2)
+ * more ops, its whole result in *out (may be NULL; the caller frees it):
+ * ranges[1 + i] is also[i]'s. */
+rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guards,
+                           size_t nguards, const etcd_op *also, size_t nalso,
+                           etcd_txn_result *out);
 
 /* The value of this node's registration and joins: {addr, lws, inc,
  * probe} (malloc'd), probe being the port of its liveness responder. */
@@ -296,7 +299,9 @@ int rdzv_wait_until(rdzv *r, int64_t until_ms);
 void *rdzv_keepalive_main(void *arg);
 /* Watches `round` from start_rev; RDZV_ERR_NOMEM when no thread starts. */
 rdzv_err rdzv_watch_round(rdzv *r, int64_t start_rev);
-void rdzv_start_member_watches(rdzv *r, int64_t from);
+/* The nodes/ watch, and (waiting: this node is a member of a round with
+ * room) the waiting/ watch, from revision from, unless already running. */
+void rdzv_start_member_watches(rdzv *r, int64_t from, int waiting);
 void rdzv_set_join_watch(rdzv *r, const char *key, int prefix, int64_t start_rev);
 /* Stops every watch thread and waits for it (the handle is closing). */
 void rdzv_watchers_join(rdzv *r);

@@ -164,16 +164,18 @@ char *rdzv_node_value(const rdzv *r)
     return val;
 }
 
-rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                           const etcd_op *also, size_t nalso, etcd_txn_result *out)
+rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guards,
+                           size_t nguards, const etcd_op *also, size_t nalso,
+                           etcd_txn_result *out)
 {
-    enum { MAX_ALSO = 2 };
-    if (nalso > MAX_ALSO) return RDZV_ERR_ARG;
+    enum { MAX_GUARDS = 3, MAX_ALSO = 2 };
+    if (nguards > MAX_GUARDS || nalso > MAX_ALSO) return RDZV_ERR_ARG;
     char *val = rdzv_node_value(r);
     if (!val) return RDZV_ERR_NOMEM;
-    etcd_cmp cmps[2];
+    etcd_cmp cmps[1 + MAX_GUARDS];
     size_t ncmps = 0;
-    if (guard) cmps[ncmps++] = *guard;
+    for (size_t i = 0; i < nguards; i++)
+        cmps[ncmps++] = guards[i];
     cmps[ncmps++] =
         (etcd_cmp){.key = key, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL, .number = 0};
     etcd_op ops[1 + MAX_ALSO] = {
@@ -194,7 +196,7 @@ rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd
                             const etcd_op *also, int *won, int64_t *revision)
 {
     etcd_txn_result res, *out = won || revision ? &res : NULL;
-    rdzv_err err = rdzv_register_txn(r, c, key, guard, also, also ? 1 : 0, out);
+    rdzv_err err = rdzv_register_txn(r, c, key, guard, guard ? 1 : 0, also, also ? 1 : 0, out);
     if (err != RDZV_OK || !out) return err;
     if (won) *won = res.succeeded;
     if (revision) *revision = res.revision;

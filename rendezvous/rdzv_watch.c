@@ -265,15 +265,17 @@ void rdzv_set_join_watch(rdzv *r, const char *key, int prefix, int64_t start_rev
 /* Node and waiting keys matter only once a round is frozen (to a member,
  * or to a spare): the watches start then, from the snapshot that was just
  * read, so a round of N joiners does not fan N registrations out to N
- * agents. Once started they stay. */
-void rdzv_start_member_watches(rdzv *r, int64_t from)
+ * agents. Waiting keys matter only to a member of a round with room (a
+ * full round takes nobody; a node outside the round is waiting itself):
+ * that watch starts with the first such round. Once started they stay. */
+void rdzv_start_member_watches(rdzv *r, int64_t from, int waiting)
 {
     char key[RDZV_KEY_MAX];
     if (!r->w_nodes) {
         rdzv_key(key, sizeof(key), r->cfg.job, "nodes/");
         r->w_nodes = watcher_start(r, key, 1, from, RDZV_TAG_NODES);
     }
-    if (!r->w_waiting) {
+    if (waiting && !r->w_waiting) {
         rdzv_key(key, sizeof(key), r->cfg.job, "waiting/");
         r->w_waiting = watcher_start(r, key, 1, from, RDZV_TAG_WAITING);
     }
