@@ -44,9 +44,12 @@
 
 #define SENTINEL_RETRY_MS 1000 /* after a member's probe could not be reached */
 /* How long the sentinel waits for the driver's snapshot to bring a member's
- * registration before it reads the key itself (the snapshot comes a round
- * trip after the record; reading anyway costs etcd one request more). */
-#define SENTINEL_REG_WAIT_MS 1000
+ * registration before it reads the key itself: the snapshot comes a round
+ * trip after the record on a quiet etcd, seconds after it when a thousand
+ * agents take that step at once, and reading then only adds to etcd's
+ * load. Meanwhile a death is seen by the paths the sentinel only hastens
+ * (the lease, the peers' workers). */
+#define SENTINEL_REG_WAIT_MS 5000
 
 typedef struct peer {
     char node[RDZV_NODE_ID_MAX + 1];
