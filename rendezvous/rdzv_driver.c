@@ -652,6 +652,7 @@ static int step(rdzv *r, const rdzv_record *rec, int64_t mod)
  * its guard fails and the step reads the record again. */
 static rdzv_err reconcile(rdzv *r, int reuse)
 {
+    if (r->terminal) return RDZV_OK;
     rdzv_record rec;
     memset(&rec, 0, sizeof(rec));
     int64_t mod = 0;
