@@ -204,14 +204,14 @@ static rdzv_err take_over(rdzv *r, const etcd_kv *kv, int *won, int64_t *revisio
                    .value_len = strlen(val),
                    .lease = r->lease};
     etcd_txn_result res;
-    etcd_err e = etcd_txn(r->api, &same, 1, &put, 1, NULL, 0, &res);
+    etcd_err e = etcd_txn(r->dc, &same, 1, &put, 1, NULL, 0, &res);
     free(val);
     if (e != ETCD_OK) return RDZV_ERR_ETCD;
     *won = res.succeeded;
     *revision = res.revision;
     etcd_txn_result_free(&res);
     if (*won) {
-        e = etcd_lease_revoke(r->api, kv->lease);
+        e = etcd_lease_revoke(r->dc, kv->lease);
         dlog_debug(&r->log, NULL, "took over %s from lease %lld (revoke: %s)", kv->key,
                    (long long)kv->lease, etcd_strerror(e));
     }
@@ -271,11 +271,11 @@ static rdzv_err register_self(rdzv *r, int64_t *revision, char *msg)
         int won = 0, dead = 0;
         r->incarnation = 1;
         rdzv_probe_set_incarnation(r->probe, r->incarnation);
-        err = rdzv_register_node(r, r->api, key, NULL, NULL, &won, revision);
+        err = rdzv_register_node(r, r->dc, key, NULL, NULL, &won, revision);
         if (err != RDZV_OK) break;
         if (won) return RDZV_OK;
         etcd_kv kv;
-        etcd_err e = etcd_get(r->api, key, &kv);
+        etcd_err e = etcd_get(r->dc, key, &kv);
         if (e == ETCD_ERR_NOT_FOUND) continue; /* gone meanwhile: create it */
         if (e != ETCD_OK) {
             err = RDZV_ERR_ETCD;
@@ -292,7 +292,7 @@ static rdzv_err register_self(rdzv *r, int64_t *revision, char *msg)
     }
     if (err == RDZV_ERR_ETCD)
         snprintf(msg, RDZV_MSG_MAX, "etcd at %s: register %s: %s", r->etcd.endpoints, r->node,
-                 etcd_last_error(r->api));
+                 etcd_last_error(r->dc));
     else if (err == RDZV_OK && !msg[0]) {
         snprintf(msg, RDZV_MSG_MAX, "node id %s: registration in job %s keeps changing", r->node,
                  r->cfg.job);
@@ -374,8 +374,11 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     if ((err = rdzv_etcd_connect(&r->etcd, &r->dc, msg)) != RDZV_OK) goto err;
     if ((err = rdzv_etcd_connect(&r->etcd, &r->kac, msg)) != RDZV_OK) goto err;
     /* Failpoints name the client: etcd.api.txn is one of the caller's own
-     * calls (register, report, finish, leave), never the driver's; the two
-     * clients share the name, and so its count. */
+     * calls once open (report, finish, leave), never the driver's; the two
+     * clients share the name, and so its count. rdzv_open's own requests
+     * (the job's state and round, the lease, the registration) go over the
+     * driver's connection, which has nothing to do before the driver
+     * starts: an agent's form opens one connection fewer. */
     etcd_client_set_name(r->api, "api");
     etcd_client_set_name(r->rep, "api");
     etcd_client_set_name(r->dc, "driver");
@@ -389,10 +392,10 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
         snprintf(msg, RDZV_MSG_MAX, "cannot start the liveness probe");
         goto err;
     }
-    etcd_err e = etcd_lease_grant(r->api, r->cfg.lease_ttl_s, &r->lease);
+    etcd_err e = etcd_lease_grant(r->dc, r->cfg.lease_ttl_s, &r->lease);
     if (e != ETCD_OK) {
         snprintf(msg, RDZV_MSG_MAX, "etcd at %s: lease grant: %s", r->etcd.endpoints,
-                 etcd_last_error(r->api)[0] ? etcd_last_error(r->api) : etcd_strerror(e));
+                 etcd_last_error(r->dc)[0] ? etcd_last_error(r->dc) : etcd_strerror(e));
         err = RDZV_ERR_ETCD;
         goto err;
     }
@@ -429,7 +432,7 @@ err_threads:
     rdzv_watchers_join(r);
     rdzv_sentinel_stop(r);
 err_lease:
-    etcd_lease_revoke(r->api, r->lease);
+    etcd_lease_revoke(r->dc, r->lease);
 err:
     rdzv_free(r);
     return err;

@@ -1032,8 +1032,9 @@ def case_report_unreachable(job):
     """A failure that cannot be recorded in etcd ends the agent non-zero with the
     reason, instead of idling in a round nobody else knows is broken."""
     job.flags += FAST + ["--nnodes", "1:2", "--max-restarts", "3"]
-    # txn 1 registers the node; every later txn of its own calls fails.
-    a = job.start("node-a", env={"DUCTILE_FAILPOINTS": "etcd.api.txn=2+:unavailable"})
+    # The registration goes over the driver's connection; every txn of the
+    # agent's own calls (the report first) fails.
+    a = job.start("node-a", env={"DUCTILE_FAILPOINTS": "etcd.api.txn=1+:unavailable"})
     b = job.start("node-b")
     job.wait_round(2, 60)
     w = workers_of(job, a)[0]
@@ -1077,9 +1078,10 @@ def case_report_stalled(job):
     ("failure recorded") comes only after the stall, and never came here."""
     job.flags += FAST + ["--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3"]
     port = free_port()
-    # txn 1 registers the node; txn 2 is the report's write: it stalls 20 s.
+    # txn 1 of the agent's own calls (the registration is the driver
+    # connection's) is the report's write: it stalls 20 s.
     a = job.start("node-a", ["--http-port", str(port)],
-                  env={"DUCTILE_FAILPOINTS": "etcd.api.txn=2:sleep:20000"})
+                  env={"DUCTILE_FAILPOINTS": "etcd.api.txn=1:sleep:20000"})
     job.wait_round(2, 60)
     ws = sorted(workers_of(job, a), key=lambda w: int(w["RANK"]))
     check(len(ws) == 2, "two workers: %r" % ws)

@@ -160,15 +160,16 @@ static int sc_counting_crash(tp_set *s)
 static int sc_report_retry(tp_set *s)
 {
     snprintf(s->job, sizeof(s->job), "report-retry");
-    /* p0's txns on its own calls: 1 registers; 2 is its first report (the
-     * answer is lost after etcd applied it); 3 fails unapplied and 4 is lost
-     * after applying (the second report); 5 is the finish, lost too */
+    /* p0's txns on its own calls (its registration goes over the driver's
+     * connection): 1 is its first report (the answer is lost after etcd
+     * applied it); 2 fails unapplied and 3 is lost after applying (the
+     * second report); 4 is the finish, lost too */
     int ids[2];
     const char *opts = "--min 2 --max 2 --ttl 30 --max-restarts 5";
     ids[0] = tp_spawn(s, "p0",
                       "--min 2 --max 2 --ttl 30 --max-restarts 5 --failpoints "
-                      "etcd.api.txn=2:ambiguous;etcd.api.txn=3:unavailable;"
-                      "etcd.api.txn=4:ambiguous;etcd.api.txn=5:ambiguous");
+                      "etcd.api.txn=1:ambiguous;etcd.api.txn=2:unavailable;"
+                      "etcd.api.txn=3:ambiguous;etcd.api.txn=4:ambiguous");
     ids[1] = tp_spawn(s, "p1", opts);
     CHECK_OR_RETURN(ids[0] >= 0 && ids[1] >= 0, "spawn");
     CHECK_OR_RETURN(frozen_all(s, ids, 2, 2, 0) == 1, "round 1");
