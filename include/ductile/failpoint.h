@@ -33,7 +33,8 @@
  *                    ACTION off: it watches no member in that round, so
  *                    a dead member is found by other means (a takeover,
  *                    a worker's exit, its lease), as when its watchers
- *                    died with it.
+ *                    died with it; ACTION read: it takes no registration
+ *                    from the driver's snapshot and reads each itself.
  *   ring.connect     a ring bootstrap of world >= 2 (the first and every
  *                    rebuild); ACTION fail: it fails at once with a timeout,
  *                    as if the left neighbour never connected, and publishes
