@@ -94,27 +94,24 @@ static void rdzv_free(rdzv *r)
 static rdzv_err check_job_state(rdzv *r, const etcd_kv *kv, char *msg)
 {
     if (!kv) return RDZV_OK;
-    char key[RDZV_KEY_MAX];
-    rdzv_key(key, sizeof(key), r->cfg.job, "state");
     rdzv_job_state st;
     rdzv_err err = rdzv_state_parse(kv->value, kv->value_len, &st);
     const char *inst = r->cfg.install_id;
     if (err != RDZV_OK) {
-        if (msg) snprintf(msg, RDZV_MSG_MAX, "malformed job state under %.200s", key);
+        snprintf(msg, RDZV_MSG_MAX, "malformed job state under %.200s", kv->key);
     } else if (rdzv_state_elsewhere(&st, inst)) {
         err = RDZV_ERR_JOB_ENDED_ELSEWHERE;
-        if (msg)
-            snprintf(msg, RDZV_MSG_MAX,
-                     "job %s ended (%s) in an earlier install (install %s); this is install %s: "
-                     "set job.startOver=true (DUCTILE_START_OVER) to train it again, or use "
-                     "another job name",
-                     r->cfg.job, st.state, st.install, inst);
+        snprintf(msg, RDZV_MSG_MAX,
+                 "job %s ended (%s) in an earlier install (install %s); this is install %s: "
+                 "set job.startOver=true (DUCTILE_START_OVER) to train it again, or use "
+                 "another job name",
+                 r->cfg.job, st.state, st.install, inst);
     } else if (strcmp(st.state, "done") == 0) {
         err = RDZV_ERR_JOB_DONE;
-        if (msg) snprintf(msg, RDZV_MSG_MAX, "job %s has already completed", r->cfg.job);
+        snprintf(msg, RDZV_MSG_MAX, "job %s has already completed", r->cfg.job);
     } else if (strcmp(st.state, "failed") == 0) {
         err = RDZV_ERR_JOB_FAILED;
-        if (msg) snprintf(msg, RDZV_MSG_MAX, "job %s has failed: %.180s", r->cfg.job, st.reason);
+        snprintf(msg, RDZV_MSG_MAX, "job %s has failed: %.180s", r->cfg.job, st.reason);
     }
     return err;
 }
@@ -124,25 +121,20 @@ static rdzv_err check_job_state(rdzv *r, const etcd_kv *kv, char *msg)
  * the others freeze by other rules). */
 static rdzv_err check_job_limits(rdzv *r, const etcd_kv *kv, char *msg)
 {
+    if (!kv) {
+        r->round_absent = 1; /* the driver's first step creates it, no read before */
+        return RDZV_OK;
+    }
     rdzv_record rec;
-    int64_t mod = kv ? kv->mod_revision : 0;
-    int have = kv != NULL;
-    rdzv_err err = kv ? rdzv_record_parse(kv->value, kv->value_len, &rec) : RDZV_OK;
+    rdzv_err err = rdzv_record_parse(kv->value, kv->value_len, &rec);
     if (err != RDZV_OK) {
         snprintf(msg, RDZV_MSG_MAX, "malformed round record under /ductile/%s/round", r->cfg.job);
         return err;
     }
-    if (!have) {
-        r->round_absent = 1; /* the driver's first step creates it, no read before */
-        return RDZV_OK;
-    }
     /* The driver's first step starts from this record (one request less
      * per join); its snapshot is guarded by the record's mod_revision, so
      * a record that moved meanwhile is only read again. */
-    free(r->round_cache);
-    r->round_cache = rdzv_record_json(&rec);
-    r->round_cache_len = r->round_cache ? strlen(r->round_cache) : 0;
-    r->round_cache_mod = mod;
+    rdzv_cache_round(r, kv);
     if (rec.max_nodes > 0 &&
         (rec.min_nodes != r->cfg.min_nodes || rec.max_nodes != r->cfg.max_nodes)) {
         snprintf(msg, RDZV_MSG_MAX,

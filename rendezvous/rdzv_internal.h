@@ -168,8 +168,8 @@ struct rdzv {
     int terminal;
     int64_t fz_round, fz_count, fz_maxrev, fz_last_join;
     int64_t join_round, join_rev; /* this node's join: its round and create revision */
-    int round_absent; /* rdzv_open found no round: the first step creates it */
-    int64_t join_tried; /* the open round this driver last tried to join at once */
+    int round_absent;             /* rdzv_open found no round: the first step creates it */
+    int64_t join_tried;           /* the open round this driver last tried to join at once */
     /* the record of the last step that ended in RDZV_OK, kept for the next
      * step that no change of `round` woke (a join event, a timer): its
      * snapshot's guard tells if it moved meanwhile (reconcile) */
@@ -231,8 +231,7 @@ rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd
  * more ops, its whole result in *out (may be NULL; the caller frees it):
  * ranges[1 + i] is also[i]'s. */
 rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guards,
-                           size_t nguards, const etcd_op *also, size_t nalso,
-                           etcd_txn_result *out);
+                           size_t nguards, const etcd_op *also, size_t nalso, etcd_txn_result *out);
 
 /* The value of this node's registration and joins: {addr, lws, inc,
  * probe} (malloc'd), probe being the port of its liveness responder. */
@@ -297,6 +296,9 @@ void rdzv_sentinel_free(rdzv *r);
  * Called with r->mu held. */
 int rdzv_wait_until(rdzv *r, int64_t until_ms);
 void *rdzv_keepalive_main(void *arg);
+/* Keeps kv (the `round` key as read or watched; NULL: none) for the
+ * driver's next step (rdzv_take_cached_round). */
+void rdzv_cache_round(rdzv *r, const etcd_kv *kv);
 /* Watches `round` from start_rev; RDZV_ERR_NOMEM when no thread starts. */
 rdzv_err rdzv_watch_round(rdzv *r, int64_t start_rev);
 /* The nodes/ watch, and (waiting: this node is a member of a round with

@@ -165,8 +165,7 @@ char *rdzv_node_value(const rdzv *r)
 }
 
 rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guards,
-                           size_t nguards, const etcd_op *also, size_t nalso,
-                           etcd_txn_result *out)
+                           size_t nguards, const etcd_op *also, size_t nalso, etcd_txn_result *out)
 {
     enum { MAX_GUARDS = 3, MAX_ALSO = 2 };
     if (nguards > MAX_GUARDS || nalso > MAX_ALSO) return RDZV_ERR_ARG;

@@ -85,18 +85,18 @@ static void watcher_pause(rdzv_watcher *w, int ms)
  * step need not fetch it again (saves one request per agent when a round
  * of hundreds freezes). Safe even if stale: every step's snapshot is
  * guarded by the record's mod_revision, and a stale one just reads again. */
-static void cache_round(rdzv *r, const etcd_event *ev)
+void rdzv_cache_round(rdzv *r, const etcd_kv *kv)
 {
     char *copy = NULL;
-    if (ev->type == ETCD_EVENT_PUT && (copy = malloc(ev->kv.value_len + 1)) != NULL) {
-        memcpy(copy, ev->kv.value, ev->kv.value_len);
-        copy[ev->kv.value_len] = '\0';
+    if (kv && (copy = malloc(kv->value_len + 1)) != NULL) {
+        memcpy(copy, kv->value, kv->value_len);
+        copy[kv->value_len] = '\0';
     }
     pthread_mutex_lock(&r->mu);
     free(r->round_cache);
     r->round_cache = copy;
-    r->round_cache_len = copy ? ev->kv.value_len : 0;
-    r->round_cache_mod = ev->kv.mod_revision;
+    r->round_cache_len = copy ? kv->value_len : 0;
+    r->round_cache_mod = copy ? kv->mod_revision : 0;
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -157,7 +157,8 @@ static void *watcher_main(void *arg)
         etcd_err e = etcd_watch_next(w->w, 30000, &evs, &n);
         if (e == ETCD_OK) {
             if (n > 0) {
-                if (w->tag == RDZV_TAG_ROUND) cache_round(r, &evs[n - 1]);
+                if (w->tag == RDZV_TAG_ROUND)
+                    rdzv_cache_round(r, evs[n - 1].type == ETCD_EVENT_PUT ? &evs[n - 1].kv : NULL);
                 post(r, (unsigned)w->tag);
                 next_rev = evs[n - 1].kv.mod_revision + 1;
             }
