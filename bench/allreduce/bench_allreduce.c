@@ -20,12 +20,14 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 static int memcpy_bench(void)
@@ -47,6 +49,43 @@ static int memcpy_bench(void)
     free(a);
     free(b);
     return 0;
+}
+
+/* The whole run of one world size: sizes up to 1 GiB at the slowest
+ * figures seen here take well under this. */
+#define RANKS_DEADLINE_S 900.0
+
+/* Reaps the W ranks by the deadline; a rank still running then is killed
+ * (and reaped), so the bench never waits forever on a stuck rank. Returns
+ * how many did not exit 0. */
+static int reap_ranks(pid_t *pids, int world, double deadline)
+{
+    int bad = 0, left = world;
+    while (left > 0) {
+        for (int r = 0; r < world; r++) {
+            int st = 0;
+            if (pids[r] <= 0) continue;
+            pid_t got = waitpid(pids[r], &st, WNOHANG);
+            if (got == 0) continue;
+            if (got < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
+            pids[r] = 0;
+            left--;
+        }
+        if (left == 0) break;
+        if (mono_now_s() > deadline) {
+            fprintf(stderr, "bench_allreduce: %d of %d ranks still running after %.0f s; killed\n",
+                    left, world, RANKS_DEADLINE_S);
+            for (int r = 0; r < world; r++)
+                if (pids[r] > 0) {
+                    kill(pids[r], SIGKILL);
+                    waitpid(pids[r], NULL, 0); /* SIGKILL: the reap is prompt */
+                }
+            return bad + left;
+        }
+        struct timespec ts = {0, 10 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return bad;
 }
 
 /* A loopback TCP connection: *out is the connecting end, *in the accepted. */
@@ -231,10 +270,5 @@ int main(int argc, char **argv)
         for (int j = 0; j < world; j++)
             if (pair[i][j] >= 0) close(pair[i][j]);
     if (memfd >= 0) close(memfd);
-    int bad = 0;
-    for (int r = 0; r < world; r++) {
-        int st = 0;
-        if (waitpid(pids[r], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
-    }
-    return bad ? 1 : 0;
+    return reap_ranks(pids, world, mono_now_s() + RANKS_DEADLINE_S) ? 1 : 0;
 }
