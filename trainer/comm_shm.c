@@ -28,7 +28,9 @@
  * Bootstrap (comm_cpu_init): every rank publishes "host/<rank>" in the
  * round store: the boot id and the network namespace's inode, which
  * together say "same kernel, same abstract socket namespace". Rank 0 reads
- * them all and publishes "transport": every rank's host index, or "ring".
+ * them all and publishes "transport": every rank's host index, or "ring",
+ * or "refused REASON" when a rank given --comm shm (its host published as
+ * "shm-only:ID") cannot have it: every rank then fails with that line.
  * One host: shared memory alone; a host each: the ring; else both
  * (comm_hier.c). A host's leader (its lowest rank) makes the segment,
  * listens on an abstract AF_UNIX socket (a random name, so rounds and jobs
@@ -793,15 +795,29 @@ static comm_err shm_group(const comm_config *cfg, const int *host_of, int lrank,
 
 /* ---- comm_cpu_init: which transport ---- */
 
+/* A rank given --comm shm publishes its host behind this mark, so that
+ * rank 0 can refuse the round for everyone at once when the ranks are not
+ * all on one host (its peers would otherwise wait for it). */
+#define SHM_ONLY "shm-only:"
+#define REFUSED "refused "
+
+/* The host id behind a published host value. */
+static const char *host_part(const char *v)
+{
+    return strncmp(v, SHM_ONLY, strlen(SHM_ONLY)) == 0 ? v + strlen(SHM_ONLY) : v;
+}
+
 /* Rank 0: reads every rank's host and publishes "transport": "hosts" and
  * each rank's host index (in order of first appearance), or "ring" when a
- * host has more ranks than a segment takes. */
+ * host has more ranks than a segment takes, or "refused REASON" when a
+ * rank given --comm shm cannot have it: every rank then fails with the
+ * same line at once. */
 static comm_err cpu_decide(comm *c, const comm_config *cfg, const char *mine, int64_t deadline)
 {
-    int w = cfg->world_size, nhosts = 0, ring = 0;
+    int w = cfg->world_size, nhosts = 0, ring = 0, shm_only = -1;
     char **ids = calloc((size_t)w, sizeof(*ids));
     int *host_of = calloc((size_t)w, sizeof(int)), *count = calloc((size_t)w, sizeof(int));
-    char *v = malloc(16 + 12 * (size_t)w);
+    char *v = malloc(COMM_MSG_MAX + 12 * (size_t)w);
     comm_err err = COMM_OK;
     if (!ids || !host_of || !count || !v || !(ids[0] = strdup(mine))) {
         err = comm_fail(c, COMM_ERR_NOMEM, "out of memory");
@@ -821,13 +837,22 @@ static comm_err cpu_decide(comm *c, const comm_config *cfg, const char *mine, in
     size_t k = (size_t)sprintf(v, "hosts");
     for (int r = 0; r < w; r++) {
         int j = 0;
-        while (j < r && strcmp(ids[j], ids[r]) != 0)
+        while (j < r && strcmp(host_part(ids[j]), host_part(ids[r])) != 0)
             j++;
         host_of[r] = j < r ? host_of[j] : nhosts++;
         if (++count[host_of[r]] > SHM_MAX_RANKS) ring = 1;
+        if (shm_only < 0 && host_part(ids[r]) != ids[r]) shm_only = r;
         k += (size_t)sprintf(v + k, " %d", host_of[r]);
     }
     if (ring) strcpy(v, "ring");
+    if (shm_only >= 0 && ring)
+        snprintf(v, COMM_MSG_MAX, REFUSED "--comm shm (rank %d): a host has over %d ranks",
+                 shm_only, SHM_MAX_RANKS);
+    else if (shm_only >= 0 && nhosts > 1)
+        snprintf(v, COMM_MSG_MAX,
+                 REFUSED "--comm shm (rank %d) needs every rank on one host; the round's ranks "
+                         "are on %d hosts",
+                 shm_only, nhosts);
     rdzv_err re = rdzv_store_set(cfg->store, "transport", v, strlen(v));
     if (re != RDZV_OK) err = comm_store_error(c, cfg->store, re, "publishing the transport");
 out:
@@ -869,6 +894,11 @@ static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int
         snprintf(host, sizeof(host), "%s", cfg->host_id);
     else if (shm_host_id(host, sizeof(host)) < 0)
         snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
+    if (cfg->transport == COMM_TRANSPORT_SHM) {
+        char id[sizeof(host)];
+        snprintf(id, sizeof(id), "%s", host);
+        snprintf(host, sizeof(host), SHM_ONLY "%.*s", (int)(sizeof(host) - sizeof(SHM_ONLY)), id);
+    }
     snprintf(key, sizeof(key), "host/%d", cfg->rank);
     rdzv_err re = rdzv_store_set(cfg->store, key, host, strlen(host));
     if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "publishing the host");
@@ -881,7 +911,9 @@ static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int
     re = rdzv_store_wait(cfg->store, "transport", ring_ms_left(deadline), &val, &len);
     if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "waiting for rank 0's transport");
     comm_err err = COMM_OK;
-    if (strcmp(val, "ring") != 0) {
+    if (strncmp(val, REFUSED, strlen(REFUSED)) == 0) {
+        err = comm_fail(c, COMM_ERR_ARG, "%s", (char *)val + strlen(REFUSED));
+    } else if (strcmp(val, "ring") != 0) {
         *host_of = malloc(sizeof(int) * (size_t)cfg->world_size);
         if (!*host_of)
             err = comm_fail(c, COMM_ERR_NOMEM, "out of memory");

@@ -106,6 +106,11 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
     if (g->shm && g->ring_ranks) /* the one rank forced to the ring, the others on auto */
         cfg.transport = rank < 32 && (g->ring_ranks >> rank & 1u) ? COMM_TRANSPORT_RING
                                                                    : COMM_TRANSPORT_AUTO;
+    if (g->shm && g->shm_ranks) /* the ranks forced to shared memory, the others on auto */
+        cfg.transport = rank < 32 && (g->shm_ranks >> rank & 1u) ? COMM_TRANSPORT_SHM
+                                                                  : COMM_TRANSPORT_AUTO;
+    g->msg[0] = '\0';
+    cfg.msg = g->msg;
     char host_id[32];
     if (g->hosts > 0) {
         snprintf(host_id, sizeof(host_id), "test-host-%d", rank % g->hosts);

@@ -38,6 +38,8 @@ typedef struct tc_group {
     int shm;   /* tc_connect builds shared-memory communicators (comm_cpu_init) */
     int hosts; /* with shm: rank r says it is on host r % hosts (comm_config.host_id) */
     unsigned ring_ranks; /* with shm: rank r forces the ring when bit r is set, the rest auto */
+    unsigned shm_ranks;  /* with shm and hosts: rank r forces shm when bit r is set, the rest auto */
+    char msg[COMM_MSG_MAX]; /* in a child: why its last tc_connect failed */
     pid_t pids[TC_MAX_RANKS];
     int pairs[TC_MAX_RANKS][2]; /* edge r: [0] is rank r's right, [1] rank r+1's left */
     tc_shared *shared;

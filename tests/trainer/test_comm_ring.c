@@ -736,6 +736,34 @@ static void test_mixed(void)
     }
 }
 
+/* A rank given --comm shm in a round whose ranks are on two hosts: rank
+ * 0's decision refuses the round, so every rank fails with the same line
+ * (COMM_ERR_ARG), none waits for it until the timeout (COMM_ERR_TIMEOUT). */
+static int rank_shm_elsewhere(tc_group *g, int rank, void *arg)
+{
+    (void)arg;
+    comm *c = NULL;
+    comm_err err = tc_connect(g, rank, &c);
+    if (c) comm_free(c);
+    CHECK_OR_RETURN(err == COMM_ERR_ARG, "rank %d: %s, not a refusal (%s)", rank,
+                    comm_strerror(err), g->msg);
+    CHECK_OR_RETURN(strstr(g->msg, "--comm shm (rank 1) needs every rank on one host") &&
+                        strstr(g->msg, "2 hosts"),
+                    "rank %d: message: %s", rank, g->msg);
+    return 0;
+}
+
+static void test_shm_elsewhere(void)
+{
+    if (!g_hosts) return;
+    tc_group g;
+    if (group_open(&g, 3) != 0) return;
+    g.shm_ranks = 1u << 1; /* rank 1 (host 1): --comm shm; ranks 0 and 2 (host 0): auto */
+    g.timeout_ms = 60000;  /* a rank left waiting would come back with a timeout */
+    CHECK(tc_run(&g, rank_shm_elsewhere, NULL, 120) == 0, "--comm shm across hosts refused");
+    tc_group_free(&g);
+}
+
 int main(int argc, char **argv)
 {
     int first = 1, pairs = 0;
@@ -766,6 +794,7 @@ int main(int argc, char **argv)
         {"fenced", test_fenced},
         {"rebuild", test_rebuild},
         {"mixed", test_mixed},
+        {"shm_elsewhere", test_shm_elsewhere},
     };
     th_run_cases(cases, TH_COUNT(cases), argc, argv, first,
                  pairs     ? "socketpairs"
