@@ -268,8 +268,11 @@ static double go_all(tp_set *s, const int *ids, int n, pid_t etcd_pid, form_resu
 
 static int form(const char *endpoint, pid_t etcd_pid, int n, int go, form_result *res)
 {
+    /* A job of its own per form: the same N twice in one run must not meet
+     * the last form's registrations (their leases outlive it by a TTL). */
+    static int forms;
     char job[32], opts[256], node[32];
-    snprintf(job, sizeof(job), "form-%d", n);
+    snprintf(job, sizeof(job), "form-%d-%d", n, ++forms);
     snprintf(opts, sizeof(opts),
              "--min %d --max %d --last-call-ms 60000 --ttl 30 "
              "--join-timeout-ms 300000 --etcd-timeout-ms 20000%s",
