@@ -147,36 +147,6 @@ static rdzv_err check_job_limits(rdzv *r, const etcd_kv *kv, char *msg)
     return err;
 }
 
-/* The job's state and round record, read in one txn (on the driver's
- * connection: the driver has not started), then checked: an ended job,
- * and other node limits than the job's, are refused. */
-static rdzv_err check_job(rdzv *r, char *msg)
-{
-    char state[RDZV_KEY_MAX], round[RDZV_KEY_MAX];
-    rdzv_key(state, sizeof(state), r->cfg.job, "state");
-    rdzv_key(round, sizeof(round), r->cfg.job, "round");
-    etcd_op ops[2] = {{.type = ETCD_OP_RANGE, .key = state}, {.type = ETCD_OP_RANGE, .key = round}};
-    etcd_txn_result res;
-    etcd_err e = etcd_txn(r->dc, NULL, 0, ops, 2, NULL, 0, &res);
-    if (e != ETCD_OK) {
-        snprintf(msg, RDZV_MSG_MAX, "cannot reach etcd at %s: %s", r->etcd.endpoints,
-                 etcd_last_error(r->dc)[0] ? etcd_last_error(r->dc) : etcd_strerror(e));
-        return RDZV_ERR_ETCD;
-    }
-    rdzv_err err = RDZV_ERR_PROTOCOL;
-    if (res.n != 2) {
-        snprintf(msg, RDZV_MSG_MAX, "etcd at %s: malformed answer to a txn of two ranges",
-                 r->etcd.endpoints);
-    } else {
-        const etcd_kv *st = res.ranges[0].n ? &res.ranges[0].kvs[0] : NULL;
-        const etcd_kv *rd = res.ranges[1].n ? &res.ranges[1].kvs[0] : NULL;
-        err = check_job_state(r, st, msg);
-        if (err == RDZV_OK) err = check_job_limits(r, rd, msg);
-    }
-    etcd_txn_result_free(&res);
-    return err;
-}
-
 /* ---- registration: create, or take over from a dead incarnation ---- */
 
 /* Puts this node's registration in place of kv, in one txn guarded by kv's
@@ -250,9 +220,59 @@ static rdzv_err judge_registration(rdzv *r, const etcd_kv *kv, int *dead, char *
     return RDZV_ERR_DUPLICATE;
 }
 
+/* rdzv_open's one txn: registers nodes/<node> under this handle's lease
+ * unless the job has ended or a registration is there, and reads the
+ * job's state and round record either way (the registration that stands
+ * too, where a compare failed). The job's state key is written twice at
+ * most: "running" with round 1 (version 1), then its end with the record
+ * that ends it (version 2; a reset or a start over deletes it), so
+ * "version < 2" is "not ended" as a compare. res: the answer; the state
+ * is ranges[0] and the round ranges[1] either way, the registration
+ * ranges[2] on failure. */
+static rdzv_err open_txn(rdzv *r, const char *node_key, etcd_txn_result *res)
+{
+    char state[RDZV_KEY_MAX], round[RDZV_KEY_MAX];
+    rdzv_key(state, sizeof(state), r->cfg.job, "state");
+    rdzv_key(round, sizeof(round), r->cfg.job, "round");
+    char *val = rdzv_node_value(r);
+    if (!val) return RDZV_ERR_NOMEM;
+    etcd_cmp cmps[2] = {
+        {.key = state, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_LESS, .number = 2},
+        {.key = node_key, .target = ETCD_CMP_VERSION, .op = ETCD_CMP_EQUAL, .number = 0},
+    };
+    etcd_op then[3] = {
+        {.type = ETCD_OP_RANGE, .key = state},
+        {.type = ETCD_OP_RANGE, .key = round},
+        {.type = ETCD_OP_PUT,
+         .key = node_key,
+         .value = val,
+         .value_len = strlen(val),
+         .lease = r->lease},
+    };
+    etcd_op els[3] = {{.type = ETCD_OP_RANGE, .key = state},
+                      {.type = ETCD_OP_RANGE, .key = round},
+                      {.type = ETCD_OP_RANGE, .key = node_key}};
+    etcd_err e = etcd_txn(r->dc, cmps, 2, then, 3, els, 3, res);
+    free(val);
+    if (e != ETCD_OK) return RDZV_ERR_ETCD;
+    if (res->n != 3) {
+        etcd_txn_result_free(res);
+        return RDZV_ERR_PROTOCOL;
+    }
+    return RDZV_OK;
+}
+
+static const etcd_kv *first_kv(const etcd_txn_result *res, size_t i)
+{
+    return res->ranges[i].n ? &res->ranges[i].kvs[0] : NULL;
+}
+
 /* Registers nodes/<node> under this handle's lease: create-only, so a
  * second live agent with this node id is refused; a registration whose
- * incarnation is dead is taken over (docs/design.md, "Rounds"). A few
+ * incarnation is dead is taken over (docs/design.md, "Rounds"). The same
+ * txn checks the job: an ended job (its state) and other node limits than
+ * the job's (its round record) are refused; a registration made before
+ * the limits said no goes with the lease the caller revokes. A few
  * attempts, since the key may change between the read and the txn. */
 static rdzv_err register_self(rdzv *r, int64_t *revision, char *msg)
 {
@@ -263,28 +283,40 @@ static rdzv_err register_self(rdzv *r, int64_t *revision, char *msg)
         int won = 0, dead = 0;
         r->incarnation = 1;
         rdzv_probe_set_incarnation(r->probe, r->incarnation);
-        err = rdzv_register_node(r, r->dc, key, NULL, NULL, &won, revision);
-        if (err != RDZV_OK) break;
-        if (won) return RDZV_OK;
-        etcd_kv kv;
-        etcd_err e = etcd_get(r->dc, key, &kv);
-        if (e == ETCD_ERR_NOT_FOUND) continue; /* gone meanwhile: create it */
-        if (e != ETCD_OK) {
-            err = RDZV_ERR_ETCD;
-            break;
+        etcd_txn_result res;
+        err = open_txn(r, key, &res);
+        if (err == RDZV_ERR_PROTOCOL) {
+            snprintf(msg, RDZV_MSG_MAX, "etcd at %s: malformed answer to the registration txn",
+                     r->etcd.endpoints);
+            return err;
         }
-        err = judge_registration(r, &kv, &dead, msg);
-        if (err == RDZV_OK) err = take_over(r, &kv, &won, revision);
-        etcd_kv_free(&kv);
+        if (err != RDZV_OK) break;
+        const etcd_kv *old = res.succeeded ? NULL : first_kv(&res, 2);
+        /* On success too: a job ended by an agent that wrote no "running"
+         * state has its end at version 1 (the registration then goes with
+         * the lease the caller revokes). */
+        err = check_job_state(r, first_kv(&res, 0), msg);
+        if (err == RDZV_OK) err = check_job_limits(r, first_kv(&res, 1), msg);
+        if (err == RDZV_OK && res.succeeded) {
+            *revision = res.revision;
+            etcd_txn_result_free(&res);
+            return RDZV_OK;
+        }
+        if (err == RDZV_OK && old) {
+            err = judge_registration(r, old, &dead, msg);
+            if (err == RDZV_OK) err = take_over(r, old, &won, revision);
+        }
+        etcd_txn_result_free(&res);
         if (err != RDZV_OK) break;
         if (won) {
             r->took_over = 1;
             return RDZV_OK;
         }
+        /* gone meanwhile (or moved before the takeover): try again */
     }
     if (err == RDZV_ERR_ETCD)
         snprintf(msg, RDZV_MSG_MAX, "etcd at %s: register %s: %s", r->etcd.endpoints, r->node,
-                 etcd_last_error(r->dc));
+                 etcd_last_error(r->dc)[0] ? etcd_last_error(r->dc) : "no answer");
     else if (err == RDZV_OK && !msg[0]) {
         snprintf(msg, RDZV_MSG_MAX, "node id %s: registration in job %s keeps changing", r->node,
                  r->cfg.job);
@@ -368,9 +400,10 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     /* Failpoints name the client: etcd.api.txn is one of the caller's own
      * calls once open (report, finish, leave), never the driver's; the two
      * clients share the name, and so its count. rdzv_open's own requests
-     * (the job's state and round, the lease, the registration) go over the
-     * driver's connection, which has nothing to do before the driver
-     * starts: an agent's form opens one connection fewer. */
+     * (the lease; the registration txn, which reads the job's state and
+     * round too) go over the driver's connection, which has nothing to do
+     * before the driver starts: an agent's form opens one connection
+     * fewer. */
     etcd_client_set_name(r->api, "api");
     etcd_client_set_name(r->rep, "api");
     etcd_client_set_name(r->dc, "driver");
@@ -378,7 +411,6 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     etcd_client *mine[] = {r->api, r->rep, r->dc, r->kac};
     for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); i++)
         etcd_client_count_into(mine[i], &r->counts.etcd);
-    if ((err = check_job(r, msg)) != RDZV_OK) goto err;
 
     if ((err = rdzv_probe_start(r->cfg.addr, r->node, &r->probe)) != RDZV_OK) {
         snprintf(msg, RDZV_MSG_MAX, "cannot start the liveness probe");

@@ -220,16 +220,12 @@ rdzv_err rdzv_state_parse(const char *value, size_t len, rdzv_job_state *out);
 /* 1 when st is a job's end recorded under an install id, install (may be
  * NULL) is one too and they differ: the job ended in an earlier install. */
 int rdzv_state_elsewhere(const rdzv_job_state *st, const char *install);
-/* Creates key (nodes/<node>, or a round's joined/<node>) holding this
- * node's {addr, lws} under its lease: create-only, and only while guard
- * (may be NULL) holds; also (may be NULL) is one more op of the same txn.
- * *won and *revision (each may be NULL) say whether it was created, and at
- * which revision. */
-rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                            const etcd_op *also, int *won, int64_t *revision);
-/* The same txn under nguards (at most 3) guards, with nalso (at most 2)
- * more ops, its whole result in *out (may be NULL; the caller frees it):
- * ranges[1 + i] is also[i]'s. */
+/* Creates key (a round's joined/<node>) holding this node's registration
+ * value (address, local world size, incarnation, probe port; the value
+ * rdzv_node_value makes) under its lease: create-only,
+ * and only while nguards (at most 3) guards hold, with nalso (at most 2)
+ * more ops in the same txn; its whole result in *out (may be NULL; the
+ * caller frees it): ranges[1 + i] is also[i]'s. */
 rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guards,
                            size_t nguards, const etcd_op *also, size_t nalso, etcd_txn_result *out);
 

@@ -190,15 +190,3 @@ rdzv_err rdzv_register_txn(rdzv *r, etcd_client *c, const char *key, const etcd_
     free(val);
     return e == ETCD_OK ? RDZV_OK : RDZV_ERR_ETCD;
 }
-
-rdzv_err rdzv_register_node(rdzv *r, etcd_client *c, const char *key, const etcd_cmp *guard,
-                            const etcd_op *also, int *won, int64_t *revision)
-{
-    etcd_txn_result res, *out = won || revision ? &res : NULL;
-    rdzv_err err = rdzv_register_txn(r, c, key, guard, guard ? 1 : 0, also, also ? 1 : 0, out);
-    if (err != RDZV_OK || !out) return err;
-    if (won) *won = res.succeeded;
-    if (revision) *revision = res.revision;
-    etcd_txn_result_free(&res);
-    return RDZV_OK;
-}

@@ -121,6 +121,55 @@ static void without(const char *members, const char *node, char *out, size_t len
     }
 }
 
+/* The store's revision now (0 when etcd does not answer). */
+static int64_t store_revision(tp_set *s)
+{
+    etcd_config cfg = {.endpoints = s->endpoint};
+    etcd_client *c = NULL;
+    etcd_range_result rr = {0};
+    int64_t rev = 0;
+    if (etcd_client_new(&cfg, &c) == ETCD_OK && etcd_range(c, "/", 0, 1, &rr) == ETCD_OK) {
+        rev = rr.revision;
+        etcd_range_result_free(&rr);
+    }
+    etcd_client_free(c);
+    return rev;
+}
+
+/* 1 when node's registration key was written after revision from: the
+ * job's events from there are read up to a marker put now, so the answer
+ * waits on no clock (etcd replays the history in revision order). */
+static int registered_since(tp_set *s, const char *node, int64_t from)
+{
+    char prefix[256], key[256], marker[256];
+    snprintf(prefix, sizeof(prefix), "/ductile/%s/", s->job);
+    snprintf(key, sizeof(key), "/ductile/%s/nodes/%s", s->job, node);
+    snprintf(marker, sizeof(marker), "/ductile/%s/test-marker", s->job);
+    etcd_config cfg = {.endpoints = s->endpoint};
+    etcd_client *c = NULL;
+    etcd_watch *w = NULL;
+    int found = -1;
+    if (etcd_client_new(&cfg, &c) != ETCD_OK || etcd_put(c, marker, "1", 1, 0, NULL) != ETCD_OK ||
+        etcd_watch_open(c, prefix, 1, from + 1, &w) != ETCD_OK)
+        goto out;
+    double deadline = mono_now_s() + 30.0;
+    while (found < 0 && mono_now_s() < deadline) {
+        etcd_event *evs = NULL;
+        size_t n = 0;
+        if (etcd_watch_next(w, 1000, &evs, &n) != ETCD_OK) break;
+        for (size_t i = 0; i < n && found < 0; i++) {
+            if (strcmp(evs[i].kv.key, key) == 0) found = 1;
+            else if (strcmp(evs[i].kv.key, marker) == 0) found = 0;
+        }
+        etcd_events_free(evs, n);
+    }
+out:
+    if (w) etcd_watch_close(w);
+    etcd_client_free(c);
+    if (found < 0) fprintf(stderr, "  registered_since: no answer from etcd\n");
+    return found;
+}
+
 /* ---- scenarios ---- */
 
 static int sc_form(tp_set *s)
@@ -397,10 +446,14 @@ static int sc_failure(tp_set *s)
                         "no JOB_FAILED");
         CHECK_OR_RETURN(strstr(line, "restart_limit"), "%s", line);
     }
-    /* and a node that starts later is told so at once */
+    /* and a node that starts later is told so at once, without a
+     * registration in the ended job (the registration txn's compare) */
+    int64_t before = store_revision(s);
     int late = tp_spawn(s, "late", "--min 3 --max 3");
     CHECK_OR_RETURN(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
     CHECK_OR_RETURN(strstr(line, "err=job_failed"), "%s", line);
+    CHECK_OR_RETURN(before > 0 && registered_since(s, "late", before) == 0,
+                    "the late node registered in the failed job");
     free(lines);
     return 0;
 }
@@ -416,9 +469,12 @@ static int sc_finish(tp_set *s)
     for (int k = 0; k < 3; k++)
         CHECK_OR_RETURN(tp_expect(s, ids[k], "JOB_DONE", 10000, line, sizeof(line)) == 0,
                         "no JOB_DONE");
+    int64_t before = store_revision(s);
     int late = tp_spawn(s, "late", "--min 3 --max 3");
     CHECK_OR_RETURN(tp_expect(s, late, "OPEN_ERR", 10000, line, sizeof(line)) == 0, "late open");
     CHECK_OR_RETURN(strstr(line, "err=job_done"), "%s", line);
+    CHECK_OR_RETURN(before > 0 && registered_since(s, "late", before) == 0,
+                    "the late node registered in the completed job");
     free(lines);
     return 0;
 }
