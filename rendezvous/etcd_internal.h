@@ -66,6 +66,7 @@ typedef struct etcd_watch_msg {
     int canceled;
     int64_t header_revision;
     int64_t compact_revision;
+    int64_t watch_id; /* which watch of the stream (0 when absent) */
     int error_code;               /* set when the message is an error (stream error or cancel) */
     char reason[ETCD_REASON_MAX]; /* cancel_reason or the stream error's message */
     etcd_event *events;

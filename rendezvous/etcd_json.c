@@ -508,6 +508,7 @@ etcd_err etcd_parse_watch_msg(const char *line, size_t len, etcd_watch_msg *out,
     if (e == ETCD_OK) e = get_bool(res, "created", &out->created, err, errlen);
     if (e == ETCD_OK) e = get_bool(res, "canceled", &out->canceled, err, errlen);
     if (e == ETCD_OK) e = get_int64(res, "compact_revision", &out->compact_revision, err, errlen);
+    if (e == ETCD_OK) e = get_int64(res, "watch_id", &out->watch_id, err, errlen);
     if (e == ETCD_OK) {
         const cJSON *r = cJSON_GetObjectItemCaseSensitive(res, "cancel_reason");
         if (cJSON_IsString(r)) snprintf(out->reason, sizeof(out->reason), "%s", r->valuestring);

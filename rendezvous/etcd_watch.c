@@ -7,6 +7,11 @@
  * queued, reconnects from there when the stream breaks, and drops any event
  * older than that, so a resume never loses or repeats one.
  *
+ * A set (etcd_watch_open_set) is one stream whose request body holds one
+ * create_request per key: etcd answers "created" for each, in order, with
+ * the watch_id it gave it (0 is left out of the JSON), and tags every
+ * event message with it. Each key keeps its own resume revision.
+ *
  * A watch owns a copy of its client's connection (endpoints, credentials,
  * token), so it can fail over and log in again without touching the client,
  * which another thread may be using.
@@ -25,18 +30,26 @@
 
 typedef enum { W_DOWN, W_CONNECTING, W_LIVE, W_DEAD } watch_state;
 
+/* One key of the stream. */
+typedef struct wkey {
+    char *key;
+    int prefix;
+    int64_t next_rev; /* first revision not yet queued; 0 before the first "created" */
+    int64_t id;       /* etcd's watch_id on the current stream */
+} wkey;
+
 struct etcd_watch {
     etcd_conn k;
     int timeout_ms;
-    char *key;
-    int prefix;
+    wkey keys[ETCD_WATCH_MAX_KEYS];
+    size_t nkeys;
+    size_t ncreated; /* keys the current stream has answered "created" for */
     CURLM *multi;
     CURL *stream; /* non-NULL while a stream is in the multi handle */
     struct curl_slist *hdrs;
     long status; /* HTTP status of the current stream, 0 until known */
     etcd_buf in; /* bytes of the stream not yet split into messages */
     size_t scanned;
-    int64_t next_rev; /* first revision not yet queued; 0 before the first "created" */
     int64_t last_rev; /* etcd_watch_revision */
     etcd_event *queue;
     size_t nqueue, capqueue;
@@ -106,17 +119,37 @@ static void watch_down(etcd_watch *w)
     w->retry_at = now + d;
 }
 
+/* The stream's request: one create_request per key, one after another. */
+static char *request_body(const etcd_watch *w)
+{
+    char *body = NULL;
+    size_t len = 0;
+    for (size_t i = 0; i < w->nkeys; i++) {
+        const wkey *k = &w->keys[i];
+        cJSON *req = cJSON_CreateObject();
+        cJSON *cr = cJSON_AddObjectToObject(req, "create_request");
+        char *one = NULL;
+        if (cr && etcd_add_key_range(cr, k->key, k->prefix) &&
+            (!k->next_rev || etcd_add_int64(cr, "start_revision", k->next_rev)))
+            one = cJSON_PrintUnformatted(req);
+        cJSON_Delete(req);
+        char *grown = one ? realloc(body, len + strlen(one) + 1) : NULL;
+        if (!grown) {
+            free(one);
+            free(body);
+            return NULL;
+        }
+        body = grown;
+        memcpy(body + len, one, strlen(one) + 1);
+        len += strlen(one);
+        free(one);
+    }
+    return body;
+}
+
 static etcd_err stream_start(etcd_watch *w)
 {
-    cJSON *req = cJSON_CreateObject();
-    cJSON *cr = cJSON_AddObjectToObject(req, "create_request");
-    if (!cr || !etcd_add_key_range(cr, w->key, w->prefix) ||
-        (w->next_rev && !etcd_add_int64(cr, "start_revision", w->next_rev))) {
-        cJSON_Delete(req);
-        return ETCD_ERR_NOMEM;
-    }
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
+    char *body = request_body(w);
     if (!body) return ETCD_ERR_NOMEM;
     w->stream = curl_easy_init();
     etcd_err e =
@@ -138,6 +171,7 @@ static etcd_err stream_start(etcd_watch *w)
     w->curlerr[0] = 0;
     curl_easy_setopt(w->stream, CURLOPT_ERRORBUFFER, w->curlerr);
     w->status = 0;
+    w->ncreated = 0;
     etcd_buf_reset(&w->in, ETCD_MAX_BIG_ANSWER);
     w->scanned = 0;
     if (curl_multi_add_handle(w->multi, w->stream) != CURLM_OK) {
@@ -151,9 +185,9 @@ static etcd_err stream_start(etcd_watch *w)
 /* Events of one revision (a txn) share its number and always come in one
  * message, so what was seen before a resume is told apart by the revision
  * the stream resumed from, not by the event before. */
-static etcd_err queue_events(etcd_watch *w, etcd_watch_msg *m)
+static etcd_err queue_events(etcd_watch *w, etcd_watch_msg *m, size_t key)
 {
-    int64_t from = w->next_rev;
+    int64_t from = w->keys[key].next_rev;
     for (size_t i = 0; i < m->n; i++) {
         etcd_event *ev = &m->events[i];
         if (ev->kv.mod_revision < from) continue; /* seen before a resume */
@@ -164,11 +198,20 @@ static etcd_err queue_events(etcd_watch *w, etcd_watch_msg *m)
             w->queue = q;
             w->capqueue = cap;
         }
+        ev->watch = (int)key;
         w->queue[w->nqueue++] = *ev;
         memset(ev, 0, sizeof(*ev));
-        w->next_rev = w->queue[w->nqueue - 1].kv.mod_revision + 1;
+        w->keys[key].next_rev = w->queue[w->nqueue - 1].kv.mod_revision + 1;
     }
     return ETCD_OK;
+}
+
+/* The key of the current stream that etcd calls watch_id; -1 if none. */
+static int key_of(const etcd_watch *w, int64_t id)
+{
+    for (size_t i = 0; i < w->ncreated; i++)
+        if (w->keys[i].id == id) return (int)i;
+    return -1;
 }
 
 /* Act on one message of the stream. */
@@ -204,9 +247,11 @@ static void handle_msg(etcd_watch *w, const char *line, size_t len)
             watch_die(w, etcd_map_grpc(m.error_code, m.reason, 200));
         }
     } else if (m.canceled) {
+        int key = key_of(w, m.watch_id);
         if (m.compact_revision > 0) {
-            etcd_conn_seterr(&w->k, "watch from revision %" PRId64 ": compacted up to %" PRId64,
-                             w->next_rev, m.compact_revision);
+            etcd_conn_seterr(&w->k, "watch of %s from revision %" PRId64 ": compacted up to %" PRId64,
+                             w->keys[key < 0 ? 0 : key].key,
+                             w->keys[key < 0 ? 0 : key].next_rev, m.compact_revision);
             w->last_rev = m.compact_revision;
             watch_die(w, ETCD_ERR_COMPACTED);
         } else if (w->k.user && strstr(m.reason, "invalid auth token") && !w->reauthed) {
@@ -224,20 +269,34 @@ static void handle_msg(etcd_watch *w, const char *line, size_t len)
                 strstr(m.reason, "permission denied") || strstr(m.reason, "user name is empty");
             watch_die(w, auth ? ETCD_ERR_AUTH : ETCD_ERR_CANCELED);
         }
-    } else {
-        if (m.created && w->state == W_CONNECTING) {
+    } else if (m.created && w->state == W_CONNECTING && w->ncreated < w->nkeys) {
+        /* etcd creates the watches in the order they were asked for */
+        wkey *k = &w->keys[w->ncreated++];
+        k->id = m.watch_id;
+        if (k->next_rev == 0) {
+            k->next_rev = m.header_revision + 1;
+            if (w->nkeys == 1) w->last_rev = m.header_revision;
+        }
+        if (w->ncreated == w->nkeys) {
             w->state = W_LIVE;
             w->created_once = 1;
             w->down_since = 0;
             w->live_since = mono_now_ms();
             w->reauthed = 0;
-            if (w->next_rev == 0) {
-                w->next_rev = m.header_revision + 1;
-                w->last_rev = m.header_revision;
-            }
         }
-        if (queue_events(w, &m) != ETCD_OK) {
-            w->pending = ETCD_ERR_NOMEM;
+    } else if (m.n > 0) {
+        int key = key_of(w, m.watch_id);
+        etcd_err qe = ETCD_ERR_NOMEM;
+        if (key < 0) {
+            etcd_conn_seterr(&w->k, "watch stream from %s: events for watch %" PRId64
+                                    ", which it did not create",
+                             w->k.endpoints[w->k.cur], m.watch_id);
+            qe = ETCD_ERR_PROTOCOL;
+        } else {
+            qe = queue_events(w, &m, (size_t)key);
+        }
+        if (qe != ETCD_OK) {
+            w->pending = qe;
             watch_down(w);
         }
     }
@@ -386,28 +445,46 @@ static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
 etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t start_revision,
                          etcd_watch **out)
 {
+    etcd_watch_key one = {.key = key, .prefix = prefix, .start_revision = start_revision};
+    return etcd_watch_open_set(c, &one, 1, out);
+}
+
+etcd_err etcd_watch_open_set(etcd_client *c, const etcd_watch_key *keys, size_t n,
+                             etcd_watch **out)
+{
     *out = NULL;
-    etcd_err e = etcd_check_key(c, key, prefix);
-    if (e != ETCD_OK) return e;
-    if (start_revision < 0) {
-        etcd_conn_seterr(&c->k, "negative watch start revision");
+    if (n < 1 || n > ETCD_WATCH_MAX_KEYS || !keys) {
+        etcd_conn_seterr(&c->k, "a watch set holds 1 to %d keys, not %zu", ETCD_WATCH_MAX_KEYS, n);
         return ETCD_ERR_ARG;
     }
+    for (size_t i = 0; i < n; i++) {
+        etcd_err e = etcd_check_key(c, keys[i].key, keys[i].prefix);
+        if (e != ETCD_OK) return e;
+        if (keys[i].start_revision < 0) {
+            etcd_conn_seterr(&c->k, "negative watch start revision");
+            return ETCD_ERR_ARG;
+        }
+    }
     c->k.err[0] = 0;
+    etcd_err e;
     const char *fp = etcd_client_failpoint(c, "watch");
     if (fp && strcmp(fp, "unavailable") == 0) return etcd_failpoint_unavailable(c, "/v3/watch");
     etcd_watch *w = calloc(1, sizeof(*w));
     if (!w) return ETCD_ERR_NOMEM;
     atomic_init(&w->woken, 0);
     w->timeout_ms = c->timeout_ms;
-    w->prefix = prefix;
-    w->next_rev = start_revision;
-    w->last_rev = start_revision > 0 ? start_revision - 1 : 0;
+    w->last_rev = n == 1 && keys[0].start_revision > 0 ? keys[0].start_revision - 1 : 0;
     w->state = W_DOWN;
     w->down_since = mono_now_ms();
     e = etcd_conn_copy(&w->k, &c->k);
     if (e != ETCD_OK) goto err;
-    if (!(w->key = strdup(key)) || !(w->multi = curl_multi_init())) {
+    for (; w->nkeys < n; w->nkeys++) {
+        wkey *k = &w->keys[w->nkeys];
+        k->prefix = keys[w->nkeys].prefix;
+        k->next_rev = keys[w->nkeys].start_revision;
+        if (!(k->key = strdup(keys[w->nkeys].key))) break;
+    }
+    if (w->nkeys < n || !(w->multi = curl_multi_init())) {
         e = ETCD_ERR_NOMEM;
         goto err;
     }
@@ -418,7 +495,8 @@ etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t st
         e = ETCD_ERR_UNAVAILABLE;
         char why[sizeof(w->k.err)];
         snprintf(why, sizeof(why), "%s", w->k.err[0] ? w->k.err : "no answer");
-        etcd_conn_seterr(&w->k, "watch %s: not created before the deadline; last: %s", key, why);
+        etcd_conn_seterr(&w->k, "watch %s%s: not created before the deadline; last: %s",
+                         keys[0].key, n > 1 ? " (and more)" : "", why);
     }
     if (e != ETCD_OK) goto err;
     if (fp) {
@@ -468,6 +546,11 @@ int64_t etcd_watch_revision(const etcd_watch *w)
     return w->last_rev;
 }
 
+int64_t etcd_watch_next_revision(const etcd_watch *w, size_t i)
+{
+    return w && i < w->nkeys ? w->keys[i].next_rev : 0;
+}
+
 void etcd_watch_wakeup(etcd_watch *w)
 {
     atomic_store(&w->woken, 1);
@@ -486,7 +569,8 @@ void etcd_watch_close(etcd_watch *w)
     if (w->multi) curl_multi_cleanup(w->multi);
     etcd_events_free(w->queue, w->nqueue);
     etcd_buf_free(&w->in);
-    free(w->key);
+    for (size_t i = 0; i < w->nkeys; i++)
+        free(w->keys[i].key);
     etcd_conn_free(&w->k);
     free(w);
 }

@@ -216,11 +216,12 @@ etcd_err etcd_lease_grant(etcd_client *c, int64_t ttl_s, int64_t *id);
 etcd_err etcd_lease_keepalive(etcd_client *c, int64_t id, int64_t *ttl_left);
 etcd_err etcd_lease_revoke(etcd_client *c, int64_t id);
 
-/* Watch: one long-lived stream of events for a key or prefix, in revision
- * order. start_revision 0 means "from now". A broken stream is resumed from
- * the revision after the last event seen, on any endpoint; compaction of that
- * revision is reported as ETCD_ERR_COMPACTED (etcd_watch_revision then tells
- * the compact revision). Watches require a leader (clientv3's
+/* Watch: one long-lived stream of events for a key or prefix (or for a
+ * few of them at once: etcd_watch_open_set), in revision order for each.
+ * start_revision 0 means "from now". A broken stream is resumed from the
+ * revision after the last event seen of each key, on any endpoint;
+ * compaction of that revision is reported as ETCD_ERR_COMPACTED
+ * (etcd_watch_revision then tells the compact revision). Watches require a leader (clientv3's
  * WithRequireLeader): a member cut off from its peers cancels the stream
  * ("no leader") instead of going silent, and the watch resumes on the next
  * endpoint. */
@@ -229,12 +230,29 @@ typedef enum { ETCD_EVENT_PUT, ETCD_EVENT_DELETE } etcd_event_type;
 typedef struct etcd_event {
     etcd_event_type type;
     etcd_kv kv; /* for DELETE: key and mod_revision only */
+    int watch;  /* which key of the watch it is for: its index in etcd_watch_open_set */
 } etcd_event;
 
 typedef struct etcd_watch etcd_watch;
 
 etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t start_revision,
                          etcd_watch **out);
+/* One key or prefix of a watch set. */
+typedef struct etcd_watch_key {
+    const char *key;
+    int prefix;
+    int64_t start_revision; /* 0: from now */
+} etcd_watch_key;
+#define ETCD_WATCH_MAX_KEYS 8
+/* n (1 to ETCD_WATCH_MAX_KEYS) watches on one stream: one connection, one
+ * "created" wait; each event's `watch` is the index of its key in keys.
+ * Events of one key come in revision order; those of different keys in
+ * the order etcd sent them. */
+etcd_err etcd_watch_open_set(etcd_client *c, const etcd_watch_key *keys, size_t n,
+                             etcd_watch **out);
+/* The revision key i would resume from: the one after its last event
+ * queued, or its start (0 while a watch "from now" is not yet created). */
+int64_t etcd_watch_next_revision(const etcd_watch *w, size_t i);
 /* Waits up to timeout_ms for events. ETCD_OK with *n == 0 means the time
  * passed with none. The caller frees *events with etcd_events_free.
  * ETCD_ERR_UNAVAILABLE: the stream has been down for longer than the
@@ -243,8 +261,8 @@ etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t st
  * last good event. COMPACTED, CANCELED, AUTH, TLS: the watch is over. */
 etcd_err etcd_watch_next(etcd_watch *w, int timeout_ms, etcd_event **events, size_t *n);
 void etcd_events_free(etcd_event *events, size_t n);
-/* Revision the watch will resume after (the last event's revision, or the
- * compact revision after ETCD_ERR_COMPACTED). */
+/* Revision the watch will resume after (the last event's revision, of any
+ * key, or the compact revision after ETCD_ERR_COMPACTED). */
 int64_t etcd_watch_revision(const etcd_watch *w);
 /* Thread-safe: makes a blocked etcd_watch_next return ETCD_OK with no events. */
 void etcd_watch_wakeup(etcd_watch *w);

@@ -338,6 +338,9 @@ static void test_watch_streams(void)
         "{\"result\":{\"events\":[" EV(15, "YQ==") "," EV(14, "YQ==") "]}}\n",
         "{\"result\":7}\n",
         "[]\n",
+        /* events for a watch the stream never created */
+        "{\"result\":{\"watch_id\":\"5\",\"events\":[" EV(15, "YQ==") "]}}\n",
+        "{\"result\":{\"watch_id\":\"x\",\"events\":[" EV(15, "YQ==") "]}}\n",
     };
     char stream[1024];
     for (size_t i = 0; i < sizeof(bad_msgs) / sizeof(bad_msgs[0]); i++) {

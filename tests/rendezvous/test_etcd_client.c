@@ -354,6 +354,57 @@ static void test_watch(etcd_client *c)
     etcd_watch_close(w);
 }
 
+/* A set: several keys on one stream, each event tagged with its key's
+ * index, each key from its own start revision. */
+static void test_watch_set(etcd_client *c)
+{
+    int64_t r1, r2, r3;
+    CHECK_OK(c, etcd_put(c, "/t/s/a", "1", 1, 0, &r1));
+    CHECK_OK(c, etcd_put(c, "/t/s/p/x", "2", 1, 0, &r2));
+    CHECK_OK(c, etcd_put(c, "/t/s/b", "3", 1, 0, &r3));
+    etcd_watch_key keys[3] = {
+        {.key = "/t/s/a", .start_revision = r1}, /* sees its put again */
+        {.key = "/t/s/p/", .prefix = 1},          /* from now: not /t/s/p/x */
+        {.key = "/t/s/b", .start_revision = r3 + 1},
+    };
+    etcd_watch *w;
+    CHECK_OK(c, etcd_watch_open_set(c, keys, 3, &w));
+    CHECK_OR_EXIT(etcd_watch_next_revision(w, 1) > r3 && etcd_watch_next_revision(w, 2) == r3 + 1);
+    int64_t rb, rp, ra;
+    CHECK_OK(c, etcd_put(c, "/t/s/b", "4", 1, 0, &rb));
+    CHECK_OK(c, etcd_put(c, "/t/s/p/y", "5", 1, 0, &rp));
+    CHECK_OK(c, etcd_put(c, "/t/s/other", "6", 1, 0, NULL));
+    CHECK_OK(c, etcd_put(c, "/t/s/a", "7", 1, 0, &ra));
+    etcd_event *all;
+    etcd_err last;
+    size_t got = test_watch_collect(w, 4, 5000, &all, &last);
+    CHECK_OR_EXIT(last == ETCD_OK && got == 4);
+    int seen[3] = {0, 0, 0};
+    int64_t prev[3] = {0, 0, 0};
+    for (size_t i = 0; i < got; i++) {
+        int k = all[i].watch;
+        CHECK_OR_EXIT(k >= 0 && k < 3);
+        CHECK_OR_EXIT(all[i].kv.mod_revision > prev[k]); /* in order, per key */
+        prev[k] = all[i].kv.mod_revision;
+        seen[k]++;
+        if (k == 0) CHECK_OR_EXIT(strcmp(all[i].kv.key, "/t/s/a") == 0);
+        if (k == 1) CHECK_OR_EXIT(strcmp(all[i].kv.key, "/t/s/p/y") == 0);
+        if (k == 2) CHECK_OR_EXIT(strcmp(all[i].kv.key, "/t/s/b") == 0);
+    }
+    CHECK_OR_EXIT(seen[0] == 2 && seen[1] == 1 && seen[2] == 1);
+    CHECK_OR_EXIT(etcd_watch_next_revision(w, 0) == ra + 1 && etcd_watch_next_revision(w, 1) == rp + 1 &&
+                  etcd_watch_next_revision(w, 2) == rb + 1);
+    etcd_events_free(all, got);
+    etcd_event *ev;
+    size_t n;
+    CHECK_OK(c, etcd_watch_next(w, 50, &ev, &n));
+    CHECK_OR_EXIT(n == 0);
+    etcd_watch_close(w);
+    /* bad sets are refused before any request */
+    CHECK_ERR(c, ETCD_ERR_ARG, etcd_watch_open_set(c, keys, 0, &w));
+    CHECK_ERR(c, ETCD_ERR_ARG, etcd_watch_open_set(c, keys, ETCD_WATCH_MAX_KEYS + 1, &w));
+}
+
 int main(void)
 {
     if (test_etcd_start(&srv) != 0) return 1;
@@ -365,6 +416,7 @@ int main(void)
     test_range_options(c);
     test_lease(c);
     test_watch(c);
+    test_watch_set(c);
     etcd_client_free(c);
     test_etcd_stop(&srv);
     printf("test_etcd_client: ok\n");

@@ -94,6 +94,44 @@ static void test_watch_survives_restart(etcd_client *c)
     etcd_watch_close(w);
 }
 
+/* A set across a restart: each key resumes from its own revision, so
+ * what one key saw before is not repeated and what the other missed is
+ * not lost. */
+static void test_watch_set_survives_restart(etcd_client *c)
+{
+    etcd_watch_key keys[2] = {{.key = "/f/sa/", .prefix = 1}, {.key = "/f/sb/", .prefix = 1}};
+    etcd_watch *w;
+    CHECK_OK(c, etcd_watch_open_set(c, keys, 2, &w));
+    put_n(c, "/f/sa/", 0, 3, NULL);
+    etcd_event *ev;
+    etcd_err last;
+    size_t got = test_watch_collect(w, 3, 5000, &ev, &last);
+    CHECK_OR_EXIT(got == 3 && ev[0].watch == 0 && ev[2].watch == 0);
+    check_seq(ev, got, 0);
+    etcd_events_free(ev, got);
+    test_etcd_kill(&srv);
+    CHECK_OR_EXIT(test_etcd_restart(&srv) == 0);
+    put_n(c, "/f/sb/", 100, 2, NULL); /* b's first events; a saw 0..2 already */
+    put_n(c, "/f/sa/", 3, 1, NULL);
+    got = test_watch_collect(w, 3, 10000, &ev, &last);
+    CHECK_OR_EXIT(last == ETCD_OK && got == 3);
+    int a = 0, b = 0;
+    for (size_t i = 0; i < got; i++) {
+        char want[16];
+        snprintf(want, sizeof(want), "%d", ev[i].watch == 0 ? 3 + a : 100 + b);
+        CHECK_OR_EXIT(strcmp(ev[i].kv.value, want) == 0);
+        if (ev[i].watch == 0) a++;
+        else b++;
+    }
+    CHECK_OR_EXIT(a == 1 && b == 2);
+    etcd_events_free(ev, got);
+    etcd_event *none;
+    size_t n;
+    CHECK_OK(c, etcd_watch_next(w, 300, &none, &n));
+    CHECK_OR_EXIT(n == 0);
+    etcd_watch_close(w);
+}
+
 static void test_watch_while_stopped(etcd_client *c)
 {
     /* SIGSTOP: connections stay open but nothing answers; calls end with
@@ -265,6 +303,7 @@ int main(void)
     test_failover();
     test_lease_expiry(c);
     test_watch_survives_restart(c);
+    test_watch_set_survives_restart(c);
     test_watch_while_stopped(c);
     test_compaction(c);
     etcd_client_free(c);
