@@ -6,8 +6,9 @@
  * (which writes epoch N+1 in the same txn as the round record) no write of
  * round N can land. Reads need no fence: round N's keys only ever hold what
  * round N wrote. Waiting is a watch on the one key, never a polling loop,
- * and a second watch on `epoch`: once a later round is opened the key can
- * never appear, so the wait ends at once with RDZV_ERR_FENCED.
+ * and a second watch on `epoch` on the same stream: once a later round is
+ * opened the key can never appear, so the wait ends at once with
+ * RDZV_ERR_FENCED.
  */
 #include "rdzv_internal.h"
 
@@ -15,9 +16,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
-#include <pthread.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,53 +169,6 @@ static int superseded(const rdzv_store *s, const etcd_kv *epoch)
     return !epoch || parse_counter(epoch, &n) != 0 || n > s->round;
 }
 
-/* While a wait blocks on its key's watch, a thread blocks on the epoch's and
- * wakes the first when the round is superseded. Two one-key watches keep
- * the fan-out small: a single watch over a range holding both keys would
- * carry every key of the job that sorts between them. */
-enum { GUARD_WATCHING, GUARD_FENCED, GUARD_FAILED };
-
-typedef struct epoch_guard {
-    const rdzv_store *s;
-    etcd_watch *epoch_w, *key_w;
-    int64_t deadline;
-    atomic_int stop;
-    atomic_int state; /* GUARD_*; what follows is set before it changes */
-    etcd_err err;     /* GUARD_FAILED: the epoch watch's error */
-    char epoch[32];   /* GUARD_FENCED: the epoch, or "none" */
-    pthread_t thread;
-} epoch_guard;
-
-static void *guard_run(void *arg)
-{
-    epoch_guard *g = arg;
-    pthread_setname_np(pthread_self(), "store-guard");
-    int state = GUARD_WATCHING;
-    while (state == GUARD_WATCHING && !atomic_load(&g->stop)) {
-        int64_t left = g->deadline - mono_now_ms();
-        if (left <= 0) break; /* the wait times out by itself */
-        etcd_event *evs = NULL;
-        size_t n = 0;
-        etcd_err e = etcd_watch_next(g->epoch_w, (int)left, &evs, &n);
-        if (e != ETCD_OK) {
-            g->err = e;
-            state = GUARD_FAILED;
-        }
-        for (size_t i = 0; i < n && state == GUARD_WATCHING; i++) {
-            const etcd_kv *kv = evs[i].type == ETCD_EVENT_PUT ? &evs[i].kv : NULL;
-            if (!superseded(g->s, kv)) continue;
-            snprintf(g->epoch, sizeof(g->epoch), "%s", kv ? kv->value : "none");
-            state = GUARD_FENCED;
-        }
-        etcd_events_free(evs, n);
-    }
-    if (state != GUARD_WATCHING) {
-        atomic_store(&g->state, state);
-        etcd_watch_wakeup(g->key_w);
-    }
-    return NULL;
-}
-
 rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **value, size_t *len)
 {
     if (!s || !value || timeout_ms < 0) return RDZV_ERR_ARG;
@@ -242,52 +194,46 @@ rdzv_err rdzv_store_wait(rdzv_store *s, const char *key, int timeout_ms, void **
     etcd_txn_result_free(&res);
     if (done) return err;
 
-    epoch_guard g = {.s = s, .deadline = deadline};
-    atomic_init(&g.stop, 0);
-    atomic_init(&g.state, GUARD_WATCHING);
-    e = etcd_watch_open(s->c, k, 0, from, &g.key_w);
-    if (e == ETCD_OK) e = etcd_watch_open(s->c, s->epoch_key, 0, from, &g.epoch_w);
-    if (e != ETCD_OK) {
-        etcd_watch_close(g.key_w);
-        return etcd_fail(s, e, "store wait: watch");
-    }
-    if (pthread_create(&g.thread, NULL, guard_run, &g) != 0) {
-        etcd_watch_close(g.key_w);
-        etcd_watch_close(g.epoch_w);
-        return fail(s, RDZV_ERR_NOMEM, "store wait: cannot start a thread");
-    }
+    /* The key and the epoch on one stream: two one-key watches, where a
+     * single watch over a range holding both keys would carry every key
+     * of the job that sorts between them. */
+    etcd_watch_key keys[2] = {{.key = k, .start_revision = from},
+                              {.key = s->epoch_key, .start_revision = from}};
+    etcd_watch *w = NULL;
+    e = etcd_watch_open_set(s->c, keys, 2, &w);
+    if (e != ETCD_OK) return etcd_fail(s, e, "store wait: watch");
     err = RDZV_ERR_TIMEOUT;
+    const char *epoch = NULL; /* the epoch that superseded the round, once seen */
+    char epoch_val[32];
     for (;;) {
         int64_t left = deadline - mono_now_ms();
         if (left <= 0) break;
         etcd_event *evs = NULL;
         size_t n = 0;
-        e = etcd_watch_next(g.key_w, (int)left, &evs, &n);
+        e = etcd_watch_next(w, (int)left, &evs, &n);
         if (e != ETCD_OK) {
-            err = watch_fail(s, e, "store wait: watch", g.key_w);
+            err = watch_fail(s, e, "store wait: watch", w);
             break;
         }
-        for (size_t i = 0; i < n && err == RDZV_ERR_TIMEOUT; i++)
-            if (evs[i].type == ETCD_EVENT_PUT) err = take_value(&evs[i].kv, value, len);
+        for (size_t i = 0; i < n && err == RDZV_ERR_TIMEOUT && !epoch; i++) {
+            const etcd_kv *kv = evs[i].type == ETCD_EVENT_PUT ? &evs[i].kv : NULL;
+            if (evs[i].watch == 0) {
+                if (kv) err = take_value(kv, value, len);
+            } else if (superseded(s, kv)) {
+                snprintf(epoch_val, sizeof(epoch_val), "%s", kv ? kv->value : "none");
+                epoch = epoch_val;
+            }
+        }
         etcd_events_free(evs, n);
         if (err != RDZV_ERR_TIMEOUT) break;
-        int state = atomic_load(&g.state);
-        if (state == GUARD_FENCED) {
+        if (epoch) {
             err = fail(s, RDZV_ERR_FENCED,
                        "round %lld ended while waiting for %s: no longer current (epoch is %s)",
-                       (long long)s->round, key, g.epoch);
-            break;
-        }
-        if (state == GUARD_FAILED) {
-            err = watch_fail(s, g.err, "store wait: watch on the epoch", g.epoch_w);
+                       (long long)s->round, key, epoch);
             break;
         }
     }
-    atomic_store(&g.stop, 1);
-    etcd_watch_wakeup(g.epoch_w);
-    pthread_join(g.thread, NULL);
-    etcd_watch_close(g.key_w);
-    etcd_watch_close(g.epoch_w);
+    etcd_watch_close(w);
     if (err == RDZV_ERR_TIMEOUT)
         fail(s, err, "key %s did not appear within %d ms", key, timeout_ms);
     return err;
