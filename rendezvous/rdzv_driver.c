@@ -753,6 +753,7 @@ void *rdzv_driver_main(void *arg)
         r->retry_at = 0;
         rdzv_err err = reconcile(r, reuse);
         if (r->terminal) break;
+        rdzv_watch_apply(r);
         if (err != RDZV_OK) {
             dlog_debug(&r->log, NULL, "step failed: %s (%s); retrying in %lld ms",
                        rdzv_strerror(err), etcd_last_error(r->dc), (long long)r->backoff_ms);

@@ -154,7 +154,7 @@ struct rdzv {
     pthread_t driver, keepalive;
     int driver_started, keepalive_started;
     etcd_client *dc, *kac;
-    rdzv_watcher *w_round, *w_nodes, *w_waiting, *w_join, *retired;
+    rdzv_watcher *watcher; /* the one watch stream's thread (rdzv_watch.c) */
 
     /* driver-only state */
     int64_t in_round;     /* frozen round this node is in, not yet ended */
@@ -179,7 +179,6 @@ struct rdzv {
     /* what the handle costs etcd (rdzv_get_counts): atomics, added to by
      * every connection of the handle and the driver */
     rdzv_counts counts;
-    char join_target[RDZV_KEY_MAX + 2];
 };
 
 /* rdzv_events.c: events to the caller. rdzv_emit takes ev's round. */
@@ -295,13 +294,18 @@ void *rdzv_keepalive_main(void *arg);
 /* Keeps kv (the `round` key as read or watched; NULL: none) for the
  * driver's next step (rdzv_take_cached_round). */
 void rdzv_cache_round(rdzv *r, const etcd_kv *kv);
-/* Watches `round` from start_rev; RDZV_ERR_NOMEM when no thread starts. */
+/* Starts the watch thread with `round` from start_rev in its set;
+ * RDZV_ERR_NOMEM when no thread starts. Its stream opens once the driver
+ * has taken its first step (rdzv_watch_apply). */
 rdzv_err rdzv_watch_round(rdzv *r, int64_t start_rev);
+/* After each driver step: the watch set as the step left it goes on the
+ * stream (opened again only when the step changed it). */
+void rdzv_watch_apply(rdzv *r);
 /* The nodes/ watch, and (waiting: this node is a member of a round with
  * room) the waiting/ watch, from revision from, unless already running. */
 void rdzv_start_member_watches(rdzv *r, int64_t from, int waiting);
 void rdzv_set_join_watch(rdzv *r, const char *key, int prefix, int64_t start_rev);
-/* Stops every watch thread and waits for it (the handle is closing). */
+/* Stops the watch thread and waits for it (the handle is closing). */
 void rdzv_watchers_join(rdzv *r);
 /* Takes the round record the last `round` event carried; 1 when *rec is
  * filled. */

@@ -1,13 +1,17 @@
 /* rdzv_watch.c: what wakes the rendezvous driver.
  *
- * Watches (each on its own thread, feeding the driver's inbox) are what
- * wake the driver; there is no polling. Every agent watches `round`, and
- * from its first frozen round on `nodes/` and `waiting/`; only the earliest
- * joiner of an open round watches the joins, the others watch just the join
- * key before theirs (the etcd election recipe), so a freezer that dies is
- * replaced at once. A watch only sets a bit in the inbox: the driver reads
- * the state itself, so a watch that breaks or misses events costs a re-read
- * (RDZV_TAG_RESYNC), never a wrong belief.
+ * Watches (all on one stream, read by one thread, feeding the driver's
+ * inbox) are what wake the driver; there is no polling. Every agent
+ * watches `round`, from its first frozen round on `nodes/`, and from its
+ * first round with room that it is a member of `waiting/`; only the
+ * earliest joiner of an open round watches the joins, the others watch
+ * just the join key before theirs (the etcd election recipe), so a freezer
+ * that dies is replaced at once. A watch only sets a bit in the inbox: the
+ * driver reads the state itself, so a watch that breaks or misses events
+ * costs a re-read (RDZV_TAG_RESYNC), never a wrong belief. The set is
+ * fixed per stream (etcd's gateway takes no new watch on an open stream),
+ * so a driver step that changes it has the thread open the stream again,
+ * each key resuming from its own revision.
  *
  * A keep-alive thread renews the lease at TTL/3 on its own connection so
  * that a slow protocol step can never starve it; a lease etcd no longer
@@ -23,17 +27,30 @@
 #include <string.h>
 #include <time.h>
 
+/* The watch set: round, the join watch, nodes/, waiting/. */
+enum { WS_ROUND, WS_JOIN, WS_NODES, WS_WAITING, WS_N };
+
+typedef struct ws_key {
+    int on;
+    char key[RDZV_KEY_MAX];
+    int prefix;
+    int64_t next_rev; /* where it starts or resumes (0: from now) */
+} ws_key;
+
+static const unsigned ws_tag[WS_N] = {RDZV_TAG_ROUND, RDZV_TAG_JOIN, RDZV_TAG_NODES,
+                                      RDZV_TAG_WAITING};
+
 struct rdzv_watcher {
     struct rdzv *r;
     pthread_t th;
-    char key[RDZV_KEY_MAX];
-    int prefix;
-    int64_t start_rev;
-    int tag;
     pthread_mutex_t mu;
-    int stop;
-    etcd_watch *w;
-    rdzv_watcher *next; /* on the retired list */
+    pthread_cond_t cv; /* with mu: the thread waits for its first set */
+    ws_key want[WS_N]; /* the set the driver asks for (mu) */
+    int moved;         /* want moved in the driver's step now (mu) */
+    int changed;       /* a step that moved want has ended: open again (mu) */
+    int ready;         /* the driver published its set: the stream may open (mu) */
+    int stop;          /* (mu) */
+    etcd_watch *w;     /* (mu for the pointer, so that a wakeup never meets a closed one) */
 };
 
 /* ---- the driver's inbox ---- */
@@ -61,7 +78,7 @@ int rdzv_wait_until(rdzv *r, int64_t until_ms)
     return r->stop;
 }
 
-/* ---- watchers ---- */
+/* ---- the watch thread ---- */
 
 static int watcher_stopped(rdzv_watcher *w)
 {
@@ -115,152 +132,240 @@ int rdzv_take_cached_round(rdzv *r, rdzv_record *rec, int64_t *mod)
     return ok;
 }
 
+/* Opens the stream for the set as asked now, each key from where it
+ * resumes; *idx maps a stream index to its slot. The caller holds no lock. */
+static etcd_err watcher_open(rdzv_watcher *w, etcd_client *c, int *idx, size_t *n)
+{
+    ws_key set[WS_N];
+    pthread_mutex_lock(&w->mu);
+    memcpy(set, w->want, sizeof(set));
+    w->changed = 0;
+    pthread_mutex_unlock(&w->mu);
+    etcd_watch_key keys[WS_N];
+    *n = 0;
+    for (int i = 0; i < WS_N; i++) {
+        if (!set[i].on) continue;
+        keys[*n] = (etcd_watch_key){
+            .key = set[i].key, .prefix = set[i].prefix, .start_revision = set[i].next_rev};
+        idx[(*n)++] = i;
+    }
+    etcd_watch *ew = NULL;
+    etcd_err e = *n ? etcd_watch_open_set(c, keys, *n, &ew) : ETCD_OK;
+    pthread_mutex_lock(&w->mu);
+    w->w = ew;
+    pthread_mutex_unlock(&w->mu);
+    return e;
+}
+
+/* Closes the stream, keeping where each key of it resumes (a key the
+ * driver has moved meanwhile keeps the start it was given). */
+static void watcher_close(rdzv_watcher *w, const int *idx, size_t n, const ws_key *was)
+{
+    pthread_mutex_lock(&w->mu);
+    etcd_watch *ew = w->w;
+    w->w = NULL;
+    for (size_t j = 0; ew && j < n; j++) {
+        ws_key *k = &w->want[idx[j]];
+        if (k->on && strcmp(k->key, was[idx[j]].key) == 0 && k->prefix == was[idx[j]].prefix)
+            k->next_rev = etcd_watch_next_revision(ew, j);
+    }
+    pthread_mutex_unlock(&w->mu);
+    etcd_watch_close(ew);
+}
+
+/* One thread, one stream: every watch of the handle on it. The set opens
+ * once the driver has taken its first step (rdzv_watch_apply), and opens
+ * again when a step changed it, each key resuming where it was; nothing
+ * is missed in between, as every key starts from a revision the driver
+ * read. A break or a bad message costs the driver a re-read
+ * (RDZV_TAG_RESYNC), never a wrong belief. */
 static void *watcher_main(void *arg)
 {
     rdzv_watcher *w = arg;
     pthread_setname_np(pthread_self(), "rdzv-watch");
     rdzv *r = w->r;
     etcd_client *c = NULL;
-    int64_t next_rev = w->start_rev;
-    int backoff = 50;
-    while (!watcher_stopped(w)) {
+    int backoff = 50, idx[WS_N], broke = 0;
+    size_t n = 0;
+    ws_key was[WS_N]; /* the set the stream carries */
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        while (!w->stop && !w->ready)
+            pthread_cond_wait(&w->cv, &w->mu);
+        int stop = w->stop, changed = w->changed;
+        pthread_mutex_unlock(&w->mu);
+        if (stop) break;
         if (!c && rdzv_etcd_connect(&r->etcd, &c, NULL) != RDZV_OK) {
             watcher_pause(w, 1000);
             continue;
         }
         etcd_client_set_name(c, "watch");
         etcd_client_count_into(c, &r->counts.etcd);
+        if (w->w && changed) watcher_close(w, idx, n, was);
         if (!w->w) {
-            etcd_watch *ew = NULL;
-            etcd_err e = etcd_watch_open(c, w->key, w->prefix, next_rev, &ew);
+            pthread_mutex_lock(&w->mu);
+            memcpy(was, w->want, sizeof(was));
+            pthread_mutex_unlock(&w->mu);
+            etcd_err e = watcher_open(w, c, idx, &n);
             if (e == ETCD_ERR_COMPACTED) {
-                next_rev = 0;
+                pthread_mutex_lock(&w->mu);
+                for (int i = 0; i < WS_N; i++)
+                    w->want[i].next_rev = 0;
+                pthread_mutex_unlock(&w->mu);
+                broke = 1;
                 continue;
             }
             if (e != ETCD_OK) {
-                dlog_debug(&r->log, NULL, "watch %s: %s", w->key, etcd_strerror(e));
+                dlog_debug(&r->log, NULL, "watch: %s", etcd_strerror(e));
+                broke = 1;
                 watcher_pause(w, backoff);
                 backoff = backoff < 1000 ? backoff * 2 : 1000;
                 continue;
             }
-            pthread_mutex_lock(&w->mu);
-            w->w = ew;
-            int stop = w->stop;
-            pthread_mutex_unlock(&w->mu);
-            if (stop) break;
-            if (next_rev != w->start_rev) post(r, (unsigned)w->tag | RDZV_TAG_RESYNC);
+            if (broke) {
+                unsigned tags = RDZV_TAG_RESYNC;
+                for (size_t j = 0; j < n; j++)
+                    tags |= ws_tag[idx[j]];
+                post(r, tags);
+                broke = 0;
+            }
+            if (!w->w) { /* nothing to watch (never so: `round` always is) */
+                pthread_mutex_lock(&w->mu);
+                while (!w->stop && !w->changed)
+                    pthread_cond_wait(&w->cv, &w->mu);
+                pthread_mutex_unlock(&w->mu);
+                continue;
+            }
         }
         etcd_event *evs = NULL;
-        size_t n = 0;
-        /* A stop request cuts this short (etcd_watch_wakeup is never lost:
-         * it sets a flag the next wait sees); the timeout is only a bound. */
-        etcd_err e = etcd_watch_next(w->w, 30000, &evs, &n);
+        size_t ne = 0;
+        /* A stop request or a new set cuts this short (etcd_watch_wakeup is
+         * never lost: it sets a flag the next wait sees); the timeout is
+         * only a bound. */
+        etcd_err e = etcd_watch_next(w->w, 30000, &evs, &ne);
         if (e == ETCD_OK) {
-            if (n > 0) {
-                if (w->tag == RDZV_TAG_ROUND)
-                    rdzv_cache_round(r, evs[n - 1].type == ETCD_EVENT_PUT ? &evs[n - 1].kv : NULL);
-                post(r, (unsigned)w->tag);
-                next_rev = evs[n - 1].kv.mod_revision + 1;
+            unsigned tags = 0;
+            const etcd_kv *round = NULL;
+            int round_seen = 0;
+            for (size_t i = 0; i < ne; i++) {
+                int slot = idx[evs[i].watch];
+                tags |= ws_tag[slot];
+                if (slot == WS_ROUND) {
+                    round_seen = 1;
+                    round = evs[i].type == ETCD_EVENT_PUT ? &evs[i].kv : NULL;
+                }
             }
-            etcd_events_free(evs, n);
+            if (round_seen) rdzv_cache_round(r, round);
+            if (tags) post(r, tags);
+            etcd_events_free(evs, ne);
             backoff = 50;
             continue;
         }
         if (watcher_stopped(w)) break;
-        dlog_debug(&r->log, NULL, "watch %s broke: %s", w->key, etcd_strerror(e));
+        dlog_debug(&r->log, NULL, "watch broke: %s", etcd_strerror(e));
         /* Resume after the last event seen; after compaction start from now
          * and have the driver re-read everything (it may have missed some). */
-        if (e == ETCD_ERR_COMPACTED) next_rev = 0;
-        pthread_mutex_lock(&w->mu);
-        etcd_watch_close(w->w);
-        w->w = NULL;
-        pthread_mutex_unlock(&w->mu);
-        post(r, (unsigned)w->tag | RDZV_TAG_RESYNC);
+        watcher_close(w, idx, n, was);
+        if (e == ETCD_ERR_COMPACTED) {
+            pthread_mutex_lock(&w->mu);
+            for (int i = 0; i < WS_N; i++)
+                w->want[i].next_rev = 0;
+            pthread_mutex_unlock(&w->mu);
+        }
+        unsigned tags = RDZV_TAG_RESYNC;
+        for (size_t j = 0; j < n; j++)
+            tags |= ws_tag[idx[j]];
+        post(r, tags);
+        broke = 1;
         watcher_pause(w, backoff);
         backoff = backoff < 1000 ? backoff * 2 : 1000;
     }
     pthread_mutex_lock(&w->mu);
-    if (w->w) etcd_watch_close(w->w);
+    etcd_watch *ew = w->w;
     w->w = NULL;
     pthread_mutex_unlock(&w->mu);
+    etcd_watch_close(ew);
     etcd_client_free(c);
     return NULL;
 }
 
-static rdzv_watcher *watcher_start(rdzv *r, const char *key, int prefix, int64_t start_rev, int tag)
+/* Sets slot i of the set as the driver asks (key NULL: off). */
+static void want(rdzv *r, int i, const char *key, int prefix, int64_t start_rev)
 {
-    rdzv_watcher *w = calloc(1, sizeof(*w));
-    if (!w) return NULL;
-    w->r = r;
-    snprintf(w->key, sizeof(w->key), "%s", key);
-    w->prefix = prefix;
-    w->start_rev = start_rev;
-    w->tag = tag;
-    pthread_mutex_init(&w->mu, NULL);
-    if (pthread_create(&w->th, NULL, watcher_main, w) != 0) {
-        pthread_mutex_destroy(&w->mu);
-        free(w);
-        return NULL;
-    }
-    return w;
-}
-
-/* Asks a watcher to stop without waiting for it: it goes on the retired
- * list and is joined when the handle closes. */
-static void watcher_retire(rdzv *r, rdzv_watcher *w)
-{
+    rdzv_watcher *w = r->watcher;
     if (!w) return;
     pthread_mutex_lock(&w->mu);
-    w->stop = 1;
-    if (w->w) etcd_watch_wakeup(w->w);
+    ws_key *k = &w->want[i];
+    if (!key) {
+        if (k->on) w->moved = 1;
+        k->on = 0;
+    } else if (!k->on || strcmp(k->key, key) != 0 || k->prefix != prefix) {
+        k->on = 1;
+        snprintf(k->key, sizeof(k->key), "%s", key);
+        k->prefix = prefix;
+        k->next_rev = start_rev;
+        w->moved = 1;
+    }
     pthread_mutex_unlock(&w->mu);
-    pthread_mutex_lock(&r->mu);
-    w->next = r->retired;
-    r->retired = w;
-    pthread_mutex_unlock(&r->mu);
+}
+
+/* After each driver step: the set it asked for is the stream's now (one
+ * stream opened again however many slots the step moved). */
+void rdzv_watch_apply(rdzv *r)
+{
+    rdzv_watcher *w = r->watcher;
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    int wake = !w->ready || w->moved;
+    if (w->moved) w->changed = 1;
+    w->moved = 0;
+    w->ready = 1;
+    if (wake && w->w) etcd_watch_wakeup(w->w);
+    if (wake) pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
 }
 
 void rdzv_watchers_join(rdzv *r)
 {
-    watcher_retire(r, r->w_round);
-    watcher_retire(r, r->w_nodes);
-    watcher_retire(r, r->w_waiting);
-    watcher_retire(r, r->w_join);
-    r->w_round = r->w_nodes = r->w_waiting = r->w_join = NULL;
-    pthread_mutex_lock(&r->mu);
-    rdzv_watcher *w = r->retired;
-    r->retired = NULL;
-    pthread_mutex_unlock(&r->mu);
-    while (w) {
-        rdzv_watcher *next = w->next;
-        pthread_join(w->th, NULL);
-        pthread_mutex_destroy(&w->mu);
-        free(w);
-        w = next;
-    }
+    rdzv_watcher *w = r->watcher;
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    w->stop = 1;
+    if (w->w) etcd_watch_wakeup(w->w);
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->th, NULL);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+    free(w);
+    r->watcher = NULL;
 }
 
 rdzv_err rdzv_watch_round(rdzv *r, int64_t start_rev)
 {
-    char key[RDZV_KEY_MAX];
-    rdzv_key(key, sizeof(key), r->cfg.job, "round");
-    r->w_round = watcher_start(r, key, 0, start_rev, RDZV_TAG_ROUND);
-    return r->w_round ? RDZV_OK : RDZV_ERR_NOMEM;
+    rdzv_watcher *w = calloc(1, sizeof(*w));
+    if (!w) return RDZV_ERR_NOMEM;
+    w->r = r;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    rdzv_key(w->want[WS_ROUND].key, sizeof(w->want[WS_ROUND].key), r->cfg.job, "round");
+    w->want[WS_ROUND].on = 1;
+    w->want[WS_ROUND].next_rev = start_rev;
+    if (pthread_create(&w->th, NULL, watcher_main, w) != 0) {
+        pthread_cond_destroy(&w->cv);
+        pthread_mutex_destroy(&w->mu);
+        free(w);
+        return RDZV_ERR_NOMEM;
+    }
+    r->watcher = w;
+    return RDZV_OK;
 }
 
 /* The driver's join watch: the whole joined/ prefix for the freezer, the
  * predecessor's key for the others, none outside an open round. */
 void rdzv_set_join_watch(rdzv *r, const char *key, int prefix, int64_t start_rev)
 {
-    char target[RDZV_KEY_MAX + 2];
-    snprintf(target, sizeof(target), "%c%s", prefix ? 'P' : 'K', key ? key : "");
-    if (key && r->w_join && strcmp(target, r->join_target) == 0) return;
-    watcher_retire(r, r->w_join);
-    r->w_join = NULL;
-    r->join_target[0] = '\0';
-    if (!key) return;
-    r->w_join = watcher_start(r, key, prefix, start_rev, RDZV_TAG_JOIN);
-    if (r->w_join) snprintf(r->join_target, sizeof(r->join_target), "%s", target);
+    want(r, WS_JOIN, key, prefix, start_rev);
 }
 
 /* Node and waiting keys matter only once a round is frozen (to a member,
@@ -271,14 +376,19 @@ void rdzv_set_join_watch(rdzv *r, const char *key, int prefix, int64_t start_rev
  * that watch starts with the first such round. Once started they stay. */
 void rdzv_start_member_watches(rdzv *r, int64_t from, int waiting)
 {
+    rdzv_watcher *w = r->watcher;
+    if (!w) return;
     char key[RDZV_KEY_MAX];
-    if (!r->w_nodes) {
+    pthread_mutex_lock(&w->mu);
+    int nodes_on = w->want[WS_NODES].on, waiting_on = w->want[WS_WAITING].on;
+    pthread_mutex_unlock(&w->mu);
+    if (!nodes_on) {
         rdzv_key(key, sizeof(key), r->cfg.job, "nodes/");
-        r->w_nodes = watcher_start(r, key, 1, from, RDZV_TAG_NODES);
+        want(r, WS_NODES, key, 1, from);
     }
-    if (waiting && !r->w_waiting) {
+    if (waiting && !waiting_on) {
         rdzv_key(key, sizeof(key), r->cfg.job, "waiting/");
-        r->w_waiting = watcher_start(r, key, 1, from, RDZV_TAG_WAITING);
+        want(r, WS_WAITING, key, 1, from);
     }
 }
 
