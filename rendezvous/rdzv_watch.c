@@ -133,12 +133,12 @@ int rdzv_take_cached_round(rdzv *r, rdzv_record *rec, int64_t *mod)
 }
 
 /* Opens the stream for the set as asked now, each key from where it
- * resumes; *idx maps a stream index to its slot. The caller holds no lock. */
-static etcd_err watcher_open(rdzv_watcher *w, etcd_client *c, int *idx, size_t *n)
+ * resumes; set is what it carries, *idx maps a stream index to its slot.
+ * The caller holds no lock. */
+static etcd_err watcher_open(rdzv_watcher *w, etcd_client *c, ws_key *set, int *idx, size_t *n)
 {
-    ws_key set[WS_N];
     pthread_mutex_lock(&w->mu);
-    memcpy(set, w->want, sizeof(set));
+    memcpy(set, w->want, sizeof(w->want));
     w->changed = 0;
     pthread_mutex_unlock(&w->mu);
     etcd_watch_key keys[WS_N];
@@ -203,10 +203,7 @@ static void *watcher_main(void *arg)
         etcd_client_count_into(c, &r->counts.etcd);
         if (w->w && changed) watcher_close(w, idx, n, was);
         if (!w->w) {
-            pthread_mutex_lock(&w->mu);
-            memcpy(was, w->want, sizeof(was));
-            pthread_mutex_unlock(&w->mu);
-            etcd_err e = watcher_open(w, c, idx, &n);
+            etcd_err e = watcher_open(w, c, was, idx, &n);
             if (e == ETCD_ERR_COMPACTED) {
                 pthread_mutex_lock(&w->mu);
                 for (int i = 0; i < WS_N; i++)
