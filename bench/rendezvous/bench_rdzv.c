@@ -19,7 +19,10 @@
  *     READY and waits; the bench then tells all of them "go" at once, and
  *     "go -> all" is the protocol alone: N handles opened together (lease,
  *     registration, watches), joined, frozen, every one holding its rank;
- *     CPU is then counted from go.
+ *     CPU is then counted from go: etcd's until the last one holds its
+ *     rank, the participants' as each says its own (getrusage, every
+ *     thread) at READY and when it holds its rank (/proc counts whole
+ *     ticks per process, which rounds a participant's few ms away).
  *   - requests per participant (N = each size): every participant's etcd
  *     requests by kind from its start until all N hold their ranks and have
  *     taken their first step in the frozen round
@@ -118,16 +121,22 @@ out:
 }
 
 /* Latest "t=" over the next `word` line of each listed process, or -1. */
-static double last_line(tp_set *s, const int *ids, int n, const char *word, int timeout_ms)
+static double last_line(tp_set *s, const int *ids, int n, const char *word, int timeout_ms,
+                        double *cpu)
 {
     double latest = 0;
     char line[LINE];
+    if (cpu) *cpu = 0;
     for (int k = 0; k < n; k++) {
         if (tp_expect(s, ids[k], word, timeout_ms, line, sizeof(line)) != 0) return -1;
         char t[64];
         tp_field(line, "t", t, sizeof(t));
         double v = atof(t);
         if (v > latest) latest = v;
+        if (cpu) {
+            tp_field(line, "cpu", t, sizeof(t));
+            *cpu += atof(t);
+        }
     }
     return latest;
 }
@@ -239,26 +248,15 @@ static int settled_counts(tp_set *s, const int *ids, int n, form_result *res)
     return 0;
 }
 
-/* CPU seconds of every participant still running. */
-static double procs_cpu(const tp_set *s)
-{
-    double sum = 0;
-    for (int i = 0; i < s->nprocs; i++) {
-        double c = proc_cpu(s->procs[i].pid);
-        if (c > 0) sum += c;
-    }
-    return sum;
-}
-
 /* --go: waits for every READY, then says go to all; returns the time of
- * the go (-1 on failure) and counts the CPU from then on. */
+ * the go (-1 on failure) and counts the CPU from then on (the
+ * participants' own, as each said it at READY). */
 static double go_all(tp_set *s, const int *ids, int n, pid_t etcd_pid, form_result *res, double t0,
                      double *cpu0, double *etcd0)
 {
-    double tready = last_line(s, ids, n, "READY", 300000);
+    double tready = last_line(s, ids, n, "READY", 300000, cpu0);
     if (tready < 0) return -1;
     res->ready = tready - t0;
-    *cpu0 = procs_cpu(s);
     *etcd0 = proc_cpu(etcd_pid);
     double tgo = mono_now_s();
     for (int i = 0; i < n; i++)
@@ -298,10 +296,11 @@ static int form(const char *endpoint, pid_t etcd_pid, int n, int go, form_result
         free(ids);
         return -1;
     }
-    double treg = last_line(&s, ids, n, "OPEN", 300000);
-    double t1 = last_line(&s, ids, n, "FROZEN", 300000);
+    double cpu1 = 0;
+    double treg = last_line(&s, ids, n, "OPEN", 300000, NULL);
+    double t1 = last_line(&s, ids, n, "FROZEN", 300000, &cpu1);
     res->cpu_etcd = proc_cpu(etcd_pid) - etcd0;
-    if (go) res->cpu_procs = procs_cpu(&s) - gocpu0;
+    if (go) res->cpu_procs = cpu1 - gocpu0;
     if (t1 > 0) res->secs = t1 - t0;
     if (treg > 0) res->last_open = treg - t0;
     if (t1 > 0 && treg > 0) res->after_open = t1 - treg;
@@ -417,7 +416,7 @@ static int change(const char *endpoint, int do_kill, double *noticed, double *se
     }
     int rc = -1;
     *secs = *noticed = -1;
-    if (last_line(&s, ids, N, "FROZEN", 60000) > 0) {
+    if (last_line(&s, ids, N, "FROZEN", 60000, NULL) > 0) {
         double t0 = mono_now_s();
         if (do_kill)
             tp_kill(&s, ids[3], SIGKILL);
@@ -426,8 +425,8 @@ static int change(const char *endpoint, int do_kill, double *noticed, double *se
         int rest[N - 1], m = 0;
         for (int i = 0; i < N; i++)
             if (i != 3) rest[m++] = ids[i];
-        double t1 = last_line(&s, rest, m, "ENDED", 60000);
-        double t2 = last_line(&s, rest, m, "FROZEN", 60000);
+        double t1 = last_line(&s, rest, m, "ENDED", 60000, NULL);
+        double t2 = last_line(&s, rest, m, "FROZEN", 60000, NULL);
         if (t1 > 0 && t2 > 0) {
             *noticed = t1 - t0;
             *secs = t2 - t0;

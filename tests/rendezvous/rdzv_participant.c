@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 static const char *err_name(rdzv_err e)
@@ -44,11 +45,20 @@ static void one_field(char *s)
         if (*s == ' ' || *s == '\n') *s = '_';
 }
 
+/* CPU seconds (user and system, every thread) this process has used. */
+static double self_cpu(void)
+{
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+    return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
+           ru.ru_stime.tv_usec / 1e6;
+}
+
 /* Says READY and waits (at most 600 s) for the line "go" on stdin; 0 when
  * it came. Byte by byte, so nothing after it is taken from the main loop. */
 static int wait_go(const char *node)
 {
-    printf("READY node=%s t=%.3f\n", node, mono_now_s());
+    printf("READY node=%s t=%.3f cpu=%.6f\n", node, mono_now_s(), self_cpu());
     char line[16];
     size_t len = 0;
     int64_t deadline = mono_now_ms() + 600000;
@@ -101,10 +111,10 @@ static int print_event(const char *node, rdzv_event *ev, int *frozen_count)
     case RDZV_EV_FROZEN: {
         rdzv_round *r = &ev->round;
         int first = r->my_rank >= 0 ? r->members[r->my_rank].first_global_rank : -1;
-        printf("FROZEN node=%s t=%.3f round=%lld rank=%d nmembers=%d world=%d first=%d "
+        printf("FROZEN node=%s t=%.3f cpu=%.6f round=%lld rank=%d nmembers=%d world=%d first=%d "
                "restarts=%lld members=",
-               node, mono_now_s(), (long long)r->number, r->my_rank, r->nmembers, r->world_size,
-               first, (long long)r->restarts);
+               node, mono_now_s(), self_cpu(), (long long)r->number, r->my_rank, r->nmembers,
+               r->world_size, first, (long long)r->restarts);
         for (int i = 0; i < r->nmembers; i++)
             printf("%s%s", i ? "," : "", r->members[i].node_id);
         printf("\n");
