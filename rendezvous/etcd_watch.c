@@ -119,11 +119,42 @@ static void watch_down(etcd_watch *w)
     w->retry_at = now + d;
 }
 
+/* The gateway (grpc-gateway under Go's net/http) reads the first
+ * create_request before it answers, and the others from a goroutine while
+ * it answers; once its answer has begun, Go discards whatever of the body
+ * is still unread, and the keys in it are never created. What the first
+ * read took is safe: Go's JSON decoder reads 512 bytes, then 1024 more,
+ * then 2048, ..., until the first request is whole. So the first request
+ * is padded with blanks to end past the last of those reads that does not
+ * already take the whole body: the reads that bring it in bring the rest
+ * too. (Should a key still go missing, the open waits for its "created"
+ * only until its deadline, and fails.) */
+static char *pad_first(char *body, size_t len, size_t first_len)
+{
+    if (len <= 512) return body; /* the first read takes it all */
+    size_t rest = len - first_len, prev = 512, cap = 3 * 512, want = first_len;
+    for (; cap < ETCD_MAX_SMALL_ANSWER; prev = cap, cap = 2 * cap + 512) {
+        want = first_len > prev ? first_len : prev + 1; /* ends in the read up to cap */
+        if (want + rest <= cap) break;
+    }
+    size_t pad = want - first_len;
+    if (pad == 0) return body;
+    char *grown = realloc(body, len + pad + 1);
+    if (!grown) {
+        free(body);
+        return NULL;
+    }
+    /* the blanks go before the first request's closing brace */
+    memmove(grown + first_len - 1 + pad, grown + first_len - 1, len - first_len + 2);
+    memset(grown + first_len - 1, ' ', pad);
+    return grown;
+}
+
 /* The stream's request: one create_request per key, one after another. */
 static char *request_body(const etcd_watch *w)
 {
     char *body = NULL;
-    size_t len = 0;
+    size_t len = 0, first_len = 0;
     for (size_t i = 0; i < w->nkeys; i++) {
         const wkey *k = &w->keys[i];
         cJSON *req = cJSON_CreateObject();
@@ -142,9 +173,10 @@ static char *request_body(const etcd_watch *w)
         body = grown;
         memcpy(body + len, one, strlen(one) + 1);
         len += strlen(one);
+        if (i == 0) first_len = len;
         free(one);
     }
-    return body;
+    return pad_first(body, len, first_len);
 }
 
 static etcd_err stream_start(etcd_watch *w)
@@ -426,9 +458,11 @@ static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
                 if (w->stream) stream_done(w, cc);
             }
         }
-        /* anything that ends the wait is seen at the top, not after a poll */
-        if (w->state == W_DEAD || w->nqueue || w->pending != ETCD_OK ||
-            (want_created && w->created_once))
+        /* anything that ends the wait is seen at the top, not after a poll;
+         * events queued before every key is created (etcd sends a key's
+         * history as soon as that key is created) do not end the open's */
+        if (w->state == W_DEAD || w->pending != ETCD_OK ||
+            (want_created ? w->created_once : w->nqueue != 0))
             continue;
         int64_t now = mono_now_ms();
         if (now >= until) return ETCD_OK;

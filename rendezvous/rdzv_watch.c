@@ -153,6 +153,8 @@ static etcd_err watcher_open(rdzv_watcher *w, etcd_client *c, ws_key *set, int *
     etcd_err e = *n ? etcd_watch_open_set(c, keys, *n, &ew) : ETCD_OK;
     pthread_mutex_lock(&w->mu);
     w->w = ew;
+    /* a step that moved the set while this one opened could not wake it */
+    if (ew && w->changed) etcd_watch_wakeup(ew);
     pthread_mutex_unlock(&w->mu);
     return e;
 }

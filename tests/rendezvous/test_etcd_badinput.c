@@ -11,6 +11,8 @@
 #include "test_etcd_fake.h"
 #include "test_etcd_util.h"
 
+#include <cjson/cJSON.h>
+#include <string.h>
 #include <unistd.h>
 
 static fake_server fk;
@@ -490,6 +492,55 @@ static void test_config_errors(void)
     unlink(ca);
 }
 
+/* A set's keys are created one by one, and etcd may send a key's events
+ * before it has created the next key: the open waits for every "created",
+ * keeps those events, and still ends at its deadline when a key never comes.
+ * The request's first create_request is padded to end past Go's first 512
+ * bytes, so that the gateway has the whole body before it answers. */
+static void test_watch_set_order(void)
+{
+    char k0[300], k1[300];
+    memset(k0, 'a', sizeof(k0));
+    memcpy(k0, "/w/", 3);
+    k0[sizeof(k0) - 1] = 0;
+    memcpy(k1, k0, sizeof(k1));
+    k1[3] = 'b';
+    etcd_watch_key keys[2] = {{.key = k0}, {.key = k1, .prefix = 1}};
+    etcd_watch *w = NULL;
+    fake_reply late[] = {{.data = STREAM_HDR CREATED "{\"result\":{\"events\":[" EV(
+                              11, "YQ==") "]}}\n"
+                                          "{\"result\":{\"watch_id\":\"1\",\"created\":true}}\n",
+                          .hold_ms = 3000}};
+    fake_script(&fk, late, 1);
+    CHECK_OK(c, etcd_watch_open_set(c, keys, 2, &w));
+    char body[4096];
+    fake_last_body(&fk, body, sizeof(body));
+    const char *end = NULL;
+    cJSON *first = cJSON_ParseWithOpts(body, &end, 0);
+    CHECK_OR_EXIT(first && cJSON_GetObjectItem(first, "create_request"));
+    CHECK_OR_EXIT(end - body > 512 && strlen(body) <= 1536); /* in Go's second read */
+    cJSON *second = cJSON_Parse(end);
+    CHECK_OR_EXIT(second && cJSON_GetObjectItem(second, "create_request"));
+    cJSON_Delete(first);
+    cJSON_Delete(second);
+    etcd_event *ev;
+    size_t n;
+    CHECK_OK(c, etcd_watch_next(w, 2000, &ev, &n)); /* the early event is kept */
+    CHECK_OR_EXIT(n == 1 && ev[0].watch == 0 && ev[0].kv.mod_revision == 11);
+    etcd_events_free(ev, n);
+    etcd_watch_close(w);
+
+    fake_reply never[] = {{.data = STREAM_HDR CREATED "{\"result\":{\"events\":[" EV(
+                               11, "YQ==") "]}}\n",
+                           .hold_ms = 30000}};
+    fake_script(&fk, never, 1);
+    w = NULL;
+    CHECK_ERR(c, ETCD_ERR_UNAVAILABLE, etcd_watch_open_set(c, keys, 2, &w));
+    CHECK_OR_EXIT(!w && strstr(etcd_last_error(c), "not created before the deadline"));
+    /* it gave up at its deadline (2 s), not when the stream ended (30 s) */
+    CHECK_OR_EXIT(fake_requests(&fk) == 1);
+}
+
 int main(void)
 {
     CHECK_OR_EXIT(fake_start(&fk) == 0);
@@ -498,6 +549,7 @@ int main(void)
     test_errors_and_retries();
     test_huge_answers();
     test_watch_streams();
+    test_watch_set_order();
     test_config_errors();
     etcd_client_free(c);
     fake_stop(&fk);
