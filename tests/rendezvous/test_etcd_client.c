@@ -394,12 +394,7 @@ static void test_watch_set(etcd_client *c)
     CHECK_OR_EXIT(seen[0] == 2 && seen[1] == 1 && seen[2] == 1);
     CHECK_OR_EXIT(etcd_watch_next_revision(w, 0) == ra + 1 && etcd_watch_next_revision(w, 1) == rp + 1 &&
                   etcd_watch_next_revision(w, 2) == rb + 1);
-    etcd_events_free(all, got);
-    etcd_event *ev;
-    size_t n;
-    CHECK_OK(c, etcd_watch_next(w, 50, &ev, &n));
-    CHECK_OR_EXIT(n == 0);
-    etcd_watch_close(w);
+    test_watch_end_quiet(c, w, all, got, 50);
     /* bad sets are refused before any request */
     CHECK_ERR(c, ETCD_ERR_ARG, etcd_watch_open_set(c, keys, 0, &w));
     CHECK_ERR(c, ETCD_ERR_ARG, etcd_watch_open_set(c, keys, ETCD_WATCH_MAX_KEYS + 1, &w));

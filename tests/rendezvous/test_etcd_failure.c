@@ -124,12 +124,7 @@ static void test_watch_set_survives_restart(etcd_client *c)
         else b++;
     }
     CHECK_OR_EXIT(a == 1 && b == 2);
-    etcd_events_free(ev, got);
-    etcd_event *none;
-    size_t n;
-    CHECK_OK(c, etcd_watch_next(w, 300, &none, &n));
-    CHECK_OR_EXIT(n == 0);
-    etcd_watch_close(w);
+    test_watch_end_quiet(c, w, ev, got, 300);
 }
 
 static void test_watch_while_stopped(etcd_client *c)

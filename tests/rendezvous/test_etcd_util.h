@@ -97,4 +97,17 @@ static inline int64_t test_watch_one_rev(etcd_watch *w, int timeout_ms)
     return rev;
 }
 
+/* The watch's events so far (all, n) were all there was: nothing more
+ * comes within quiet_ms. Frees them and closes the watch. */
+static inline void test_watch_end_quiet(etcd_client *c, etcd_watch *w, etcd_event *all, size_t n,
+                                        int quiet_ms)
+{
+    etcd_events_free(all, n);
+    etcd_event *more;
+    size_t k;
+    CHECK_OK(c, etcd_watch_next(w, quiet_ms, &more, &k));
+    CHECK_OR_EXIT(k == 0);
+    etcd_watch_close(w);
+}
+
 #endif
