@@ -129,11 +129,14 @@ static void watch_down(etcd_watch *w)
  * already take the whole body: the reads that bring it in bring the rest
  * too. (Should a key still go missing, the open waits for its "created"
  * only until its deadline, and fails.) */
+#define GO_JSON_MIN_READ 512 /* encoding/json's minRead: its buffer grows to 2 * cap + this */
+
 static char *pad_first(char *body, size_t len, size_t first_len)
 {
-    if (len <= 512) return body; /* the first read takes it all */
-    size_t rest = len - first_len, prev = 512, cap = 3 * 512, want = first_len;
-    for (; cap < ETCD_MAX_SMALL_ANSWER; prev = cap, cap = 2 * cap + 512) {
+    if (len <= GO_JSON_MIN_READ) return body; /* the first read takes it all */
+    size_t rest = len - first_len, prev = GO_JSON_MIN_READ, want = first_len;
+    size_t cap = 3 * GO_JSON_MIN_READ;
+    for (; cap < ETCD_MAX_SMALL_ANSWER; prev = cap, cap = 2 * cap + GO_JSON_MIN_READ) {
         want = first_len > prev ? first_len : prev + 1; /* ends in the read up to cap */
         if (want + rest <= cap) break;
     }
