@@ -136,6 +136,18 @@ static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline,
     }
 }
 
+/* After a call on the communicator: its result, then (ncclInProgress) the
+ * wait until NCCL has queued its work. On a non-blocking communicator NCCL
+ * 2.28 answers every collective with ncclInProgress and queues the kernel
+ * later from its own thread: until the communicator says ncclSuccess
+ * nothing may be queued on its stream (it would run first) and no other
+ * call may be made on it. */
+static comm_err nccl_queued(nccl_comm *g, const char *what, ncclResult_t r, int64_t deadline)
+{
+    if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(g, nccl_kind(r), what, r);
+    return nccl_settle(g, what, deadline, NULL);
+}
+
 /* After enqueuing a collective: its call's result, then the stream. */
 static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
 {
@@ -205,9 +217,9 @@ static comm_err nccl_allreduce(comm *c, float *buf, size_t n)
         if ((err = stage_copy(g, 1, 0, k * sizeof(float))) != COMM_OK) break;
         ncclResult_t r =
             ncclAllReduce(g->dev_stage, g->dev_stage, k, ncclFloat, ncclSum, g->nc, g->stream);
-        if (r != ncclSuccess && r != ncclInProgress)
-            return nccl_fail(g, nccl_kind(r), "ncclAllReduce (staged)", r);
-        if ((err = stage_copy(g, 0, 0, k * sizeof(float))) != COMM_OK ||
+        if ((err = nccl_queued(g, "ncclAllReduce (staged)", r, mono_now_ms() + g->timeout_ms)) !=
+                COMM_OK ||
+            (err = stage_copy(g, 0, 0, k * sizeof(float))) != COMM_OK ||
             (err = nccl_finish(g, "ncclAllReduce (staged)", ncclSuccess)) != COMM_OK)
             break;
         memcpy(buf + off, g->host_stage, k * sizeof(float));
@@ -233,8 +245,8 @@ static comm_err nccl_broadcast(comm *c, void *buf, size_t bytes, int root)
         }
         ncclResult_t r =
             ncclBroadcast(g->dev_stage, g->dev_stage, k, ncclUint8, root, g->nc, g->stream);
-        if (r != ncclSuccess && r != ncclInProgress)
-            return nccl_fail(g, nccl_kind(r), "ncclBroadcast (staged)", r);
+        err = nccl_queued(g, "ncclBroadcast (staged)", r, mono_now_ms() + g->timeout_ms);
+        if (err != COMM_OK) break;
         if (!sender && (err = stage_copy(g, 0, 0, k)) != COMM_OK) break;
         if ((err = nccl_finish(g, "ncclBroadcast (staged)", ncclSuccess)) != COMM_OK) break;
         if (!sender) memcpy((char *)buf + off, g->host_stage, k);
@@ -266,9 +278,9 @@ static comm_err nccl_allgather(comm *c, const void *send, size_t bytes, void *re
         if ((err = stage_copy(g, 1, mine * k, k)) != COMM_OK) break;
         ncclResult_t r =
             ncclAllGather(g->dev_stage + mine * k, g->dev_stage, k, ncclUint8, g->nc, g->stream);
-        if (r != ncclSuccess && r != ncclInProgress)
-            return nccl_fail(g, nccl_kind(r), "ncclAllGather (staged)", r);
-        if ((err = stage_copy(g, 0, 0, world * k)) != COMM_OK ||
+        if ((err = nccl_queued(g, "ncclAllGather (staged)", r, mono_now_ms() + g->timeout_ms)) !=
+                COMM_OK ||
+            (err = stage_copy(g, 0, 0, world * k)) != COMM_OK ||
             (err = nccl_finish(g, "ncclAllGather (staged)", ncclSuccess)) != COMM_OK)
             break;
         for (size_t i = 0; i < world; i++)

@@ -117,6 +117,16 @@ void rt_fail_next(const char *name);
  * (CUDA). Returns cudaSuccess, or the context's sticky error (op dropped). */
 cudaError_t rt_enqueue(cudaStream_t s, rt_op *op, const char *action);
 
+/* A non-blocking communicator's call that answered ncclInProgress holds
+ * its stream (delta +1) until NCCL's launch thread has queued its work
+ * (delta -1): CUDA work the host queues on a held stream would run before
+ * the collective, and is reported as the race it is. `what` names the call
+ * for that report. */
+void rt_stream_hold(cudaStream_t s, int delta, const char *what);
+/* The calling thread is the runtime's NCCL launch thread (on 1, off 0):
+ * its enqueues are the held calls' own. */
+void rt_set_launcher(int on);
+
 /* Runs s's queue as far as it goes without blocking; 1 when empty. Under
  * the runtime lock (rt_lock) only. */
 int rt_pump(cudaStream_t s);

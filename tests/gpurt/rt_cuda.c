@@ -64,6 +64,8 @@ struct CUstream_st {
     int pumping; /* rt_pump is on the stack for this stream */
     rt_op *head, *tail;
     uint64_t enq, done; /* ops queued and completed, in seq order */
+    int held;             /* NCCL calls on it not yet launched (rt_stream_hold) */
+    const char *held_by;  /* the latest of them */
     vclock vc;
     struct CUstream_st *next_all;
 };
@@ -86,6 +88,7 @@ static vclock host_vc;
 static cudaError_t sticky = cudaSuccess;
 static __thread cudaError_t last_error = cudaSuccess;
 static __thread int current_device;
+static __thread int launcher; /* rt_set_launcher */
 
 void rt_lock(void)
 {
@@ -448,10 +451,40 @@ static void implicit_sync(cudaStream_t s)
     }
 }
 
+void rt_set_launcher(int on)
+{
+    launcher = on;
+}
+
+void rt_stream_hold(cudaStream_t s, int delta, const char *what)
+{
+    cudaStream_t st = s ? s : &legacy;
+    rt_lock();
+    st->held += delta;
+    if (st->held < 0) rt_die("stream %d: released more NCCL holds than it had", st->id);
+    if (delta > 0) st->held_by = what;
+    rt_unlock();
+}
+
+/* Under mu: work the host queues on a stream whose NCCL call has not been
+ * launched yet would run before that call (NCCL 2.28 queues a non-blocking
+ * communicator's kernel from its own thread, after the call returned
+ * ncclInProgress). */
+static void check_held(cudaStream_t st, const char *name)
+{
+    if (st->held == 0 || launcher) return;
+    rt_unlock();
+    rt_die("race: %s queued on stream %d while %s on it has not settled: the communicator "
+           "answered ncclInProgress and NCCL queues its kernel later from its own thread, so "
+           "this would run first; wait until ncclCommGetAsyncError says ncclSuccess",
+           name, st->id, st->held_by);
+}
+
 cudaError_t rt_enqueue(cudaStream_t s, rt_op *op, const char *action)
 {
     cudaStream_t st = s ? s : &legacy;
     rt_lock();
+    check_held(st, op->name);
     if (sticky) {
         cudaError_t e = sticky;
         rt_unlock();
@@ -658,6 +691,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
     if (is_action(a, "error")) return ret(cudaErrorLaunchFailure);
     cudaStream_t st = s ? s : &legacy;
     rt_lock();
+    check_held(st, "cudaEventRecord");
     vc_join(&st->vc, &host_vc);
     e->recorded = 1;
     e->stream = st;
@@ -714,6 +748,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
     if (!e->recorded) return cudaSuccess; /* as CUDA: nothing to wait for */
     cudaStream_t st = s ? s : &legacy;
     rt_lock();
+    check_held(st, "cudaStreamWaitEvent");
     vc_join(&st->vc, &host_vc);
     append_wait(st, e->stream, e->seq, &e->vc, "cudaStreamWaitEvent");
     rt_unlock();

@@ -519,6 +519,7 @@ typedef struct nc_shared {
     uint64_t seq;          /* collectives issued */
     nc_stream_use *streams;
     int nstreams;
+    struct nc_job *job; /* a call that answered ncclInProgress, not yet launched */
 } nc_shared;
 
 struct ncclComm {
@@ -1373,6 +1374,7 @@ static void nc_op_drop(rt_op *base)
 typedef struct nc_pending {
     const char *name, *action;
     cudaStream_t stream;
+    int nonblocking; /* its comm's: the call is launched later (nc_defer) */
     nc_work work;
 } nc_pending;
 
@@ -1489,15 +1491,189 @@ ncclResult_t ncclGroupStart(void)
     return ncclSuccess;
 }
 
+static ncclResult_t nc_defer(nc_pending *items, int n);
+
 ncclResult_t ncclGroupEnd(void)
 {
     if (nc_grp.depth == 0)
         return nc_fail_here(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
     if (--nc_grp.depth > 0) return ncclSuccess;
-    ncclResult_t r = nc_group_flush(nc_grp.item, nc_grp.n);
+    int later = 0;
+    for (int i = 0; i < nc_grp.n; i++)
+        later |= nc_grp.item[i].nonblocking;
+    ncclResult_t r = later ? nc_defer(nc_grp.item, nc_grp.n) : nc_group_flush(nc_grp.item, nc_grp.n);
     free(nc_grp.item);
     nc_grp = (struct nc_group){.depth = 0};
     return r;
+}
+
+/* ---- non-blocking calls: launched later, from the runtime's own thread ---- */
+
+/* On a non-blocking communicator NCCL 2.28 answers every collective (and
+ * every group) with ncclInProgress and queues its kernel later, from a
+ * thread of its own; until ncclCommGetAsyncError says ncclSuccess the
+ * communicator takes no other call and its stream must get no CUDA work.
+ * So here: the call becomes a job on one launch thread, which queues it
+ * only after the caller has asked the communicator's state at least once
+ * (or NC_LAUNCH_LATE_MS have passed: NCCL's thread does not wait to be
+ * asked); until then the job's streams are held (rt_stream_hold), and
+ * CUDA work queued on them is reported as a race. */
+#define NC_LAUNCH_LATE_MS 20
+
+typedef struct nc_job {
+    struct nc_job *next;
+    nc_pending *item;
+    int n;
+    int64_t late_ms; /* launched by then even if nobody asks */
+    int asked;       /* ncclCommGetAsyncError was called on one of its comms */
+} nc_job;
+
+static pthread_mutex_t nc_launch_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t nc_launch_cv;
+static pthread_once_t nc_launch_once = PTHREAD_ONCE_INIT;
+static nc_job *nc_jobs; /* in call order */
+static int nc_launch_started;
+
+/* Under nc_launch_mu: the job's comms point at it (job) or at nothing. */
+static void nc_job_mark(nc_job *j, nc_job *to)
+{
+    for (int i = 0; i < j->n; i++) {
+        nc_shared *sh = j->item[i].work.sh;
+        if (!sh) continue;
+        pthread_mutex_lock(&sh->mu);
+        sh->job = to;
+        pthread_mutex_unlock(&sh->mu);
+    }
+}
+
+/* Under nc_launch_mu: item i will not be launched (its comm was torn down). */
+static void nc_job_drop_item(nc_job *j, int i)
+{
+    nc_pending *it = &j->item[i];
+    if (!it->work.sh) return;
+    rt_stream_hold(it->stream, -1, NULL);
+    pthread_mutex_lock(&it->work.sh->mu);
+    it->work.sh->job = NULL;
+    pthread_mutex_unlock(&it->work.sh->mu);
+    nc_unref(it->work.sh);
+    it->work.sh = NULL;
+}
+
+/* Under nc_launch_mu: queues the job's calls as the blocking path would,
+ * then lets its streams and comms go. A failure to queue becomes the
+ * comms' async error, as a failed launch does in NCCL. */
+static void nc_job_launch(nc_job *j)
+{
+    int k = 0;
+    for (int i = 0; i < j->n; i++)
+        if (j->item[i].work.sh) j->item[k++] = j->item[i];
+    j->n = k;
+    nc_shared **held = malloc(sizeof(*held) * (size_t)(k ? k : 1));
+    cudaStream_t *streams = malloc(sizeof(*streams) * (size_t)(k ? k : 1));
+    if (!held || !streams) rt_die("out of memory launching %s", j->item[0].name);
+    for (int i = 0; i < k; i++) {
+        held[i] = j->item[i].work.sh;
+        streams[i] = j->item[i].stream;
+        nc_ref(held[i]); /* the flush hands each item's reference on */
+    }
+    rt_set_launcher(1);
+    ncclResult_t r = k > 0 ? nc_group_flush(j->item, k) : ncclSuccess;
+    rt_set_launcher(0);
+    /* The flush took the items' references: the comms' own are in held. */
+    for (int i = 0; i < k; i++)
+        j->item[i].work.sh = held[i];
+    for (int i = 0; i < k; i++) {
+        rt_stream_hold(streams[i], -1, NULL);
+        if (r != ncclSuccess) nc_fail(held[i], r, "launching %s: %s", j->item[0].name, nc_tls_reason);
+    }
+    nc_job_mark(j, NULL); /* settled: ncclCommGetAsyncError says so from now on */
+    for (int i = 0; i < k; i++)
+        nc_unref(held[i]);
+    free(held);
+    free(streams);
+}
+
+static void *nc_launcher(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&nc_launch_mu);
+    for (;;) {
+        nc_job *j = nc_jobs;
+        if (!j) {
+            pthread_cond_wait(&nc_launch_cv, &nc_launch_mu);
+            continue;
+        }
+        if (!j->asked && mono_now_ms() < j->late_ms) {
+            struct timespec until = mono_deadline((int)(j->late_ms - mono_now_ms()));
+            pthread_cond_timedwait(&nc_launch_cv, &nc_launch_mu, &until);
+            continue;
+        }
+        nc_jobs = j->next;
+        nc_job_launch(j);
+        free(j->item);
+        free(j);
+    }
+    return NULL;
+}
+
+static void nc_launch_init(void)
+{
+    pthread_t t;
+    pthread_attr_t attr;
+    if (mono_cond_init(&nc_launch_cv) != 0) rt_die("launch thread: condition variable");
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    nc_launch_started = pthread_create(&t, &attr, nc_launcher, NULL) == 0;
+    pthread_attr_destroy(&attr);
+}
+
+/* A non-blocking call (one, or a group's): held until launched. */
+static ncclResult_t nc_defer(nc_pending *items, int n)
+{
+    if (n == 0) return ncclSuccess;
+    pthread_once(&nc_launch_once, nc_launch_init);
+    nc_job *j = calloc(1, sizeof(*j));
+    nc_pending *copy = j ? malloc(sizeof(*copy) * (size_t)n) : NULL;
+    if (!nc_launch_started || !copy) {
+        free(j);
+        for (int i = 0; i < n; i++)
+            nc_unref(items[i].work.sh);
+        return nc_fail_here(ncclSystemError, "%s: cannot start NCCL's launch thread", items[0].name);
+    }
+    memcpy(copy, items, sizeof(*copy) * (size_t)n);
+    *j = (nc_job){.item = copy, .n = n, .late_ms = mono_now_ms() + NC_LAUNCH_LATE_MS};
+    for (int i = 0; i < n; i++)
+        rt_stream_hold(items[i].stream, +1, items[i].name);
+    pthread_mutex_lock(&nc_launch_mu);
+    nc_job_mark(j, j);
+    nc_job **tail = &nc_jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    pthread_cond_broadcast(&nc_launch_cv);
+    pthread_mutex_unlock(&nc_launch_mu);
+    return ncclInProgress;
+}
+
+/* ncclCommGetAsyncError on a comm with a job: the job may go now. */
+static void nc_job_asked(nc_shared *sh)
+{
+    pthread_mutex_lock(&nc_launch_mu);
+    for (nc_job *j = nc_jobs; j; j = j->next)
+        for (int i = 0; i < j->n; i++)
+            if (j->item[i].work.sh == sh) j->asked = 1;
+    pthread_cond_broadcast(&nc_launch_cv);
+    pthread_mutex_unlock(&nc_launch_mu);
+}
+
+/* A comm torn down: its calls that were never launched never will be. */
+static void nc_job_cancel(nc_shared *sh)
+{
+    pthread_mutex_lock(&nc_launch_mu);
+    for (nc_job *j = nc_jobs; j; j = j->next)
+        for (int i = 0; i < j->n; i++)
+            if (j->item[i].work.sh == sh) nc_job_drop_item(j, i);
+    pthread_mutex_unlock(&nc_launch_mu);
 }
 
 /* ---- the calls that queue work ---- */
@@ -1511,11 +1687,16 @@ static ncclResult_t nc_usable(ncclComm_t comm, const char *name, int for_work)
     char why[NC_REASON_MAX];
     pthread_mutex_lock(&sh->mu);
     ncclResult_t r = sh->error;
-    int ready = sh->ready, fin = sh->finalize;
+    int ready = sh->ready, fin = sh->finalize, unsettled = sh->job != NULL;
     memcpy(why, sh->reason, sizeof(why));
     pthread_mutex_unlock(&sh->mu);
     if (r != ncclSuccess) return nc_fail_here(r, "%s: the communicator has failed: %s", name, why);
     if (!ready) return nc_fail_here(ncclInvalidArgument, "%s: init still in progress", name);
+    if (for_work && unsettled)
+        return nc_fail_here(ncclInvalidArgument,
+                            "%s: attempt to use communicator before the previous operation "
+                            "returned ncclSuccess",
+                            name);
     if (for_work && fin != NC_FIN_NONE)
         return nc_fail_here(ncclInvalidUsage, "%s: the communicator is finalizing", name);
     return ncclSuccess;
@@ -1584,8 +1765,17 @@ static ncclResult_t nc_submit(const char *name, const char *action, ncclComm_t c
     if (async != ncclSuccess) nc_fail(sh, async, "%s: failpoint %s", name, action);
     /* Only "hang" is the stream's business: rt_enqueue's "async" is CUDA's. */
     const char *hang = nc_action_is(action, "hang") ? action : NULL;
-    nc_pending it = {.name = name, .action = hang, .stream = s, .work = w};
-    return nc_grp.depth > 0 ? nc_group_add(&it) : nc_enqueue(&it, 1);
+    nc_pending it = {
+        .name = name, .action = hang, .stream = s, .nonblocking = !comm->blocking, .work = w};
+    if (nc_grp.depth > 0) return nc_group_add(&it);
+    if (!it.nonblocking) return nc_enqueue(&it, 1);
+    /* An async failpoint: launched at once, so its op sits on the stream
+     * and never completes, as a kernel of a failed comm spins. */
+    if (async != ncclSuccess) {
+        r = nc_enqueue(&it, 1);
+        return r == ncclSuccess ? ncclInProgress : r;
+    }
+    return nc_defer(&it, 1);
 }
 
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
@@ -1874,6 +2064,7 @@ static void nc_teardown(ncclComm_t comm)
     sh->aborted = 1;
     nc_wake_locked(sh);
     pthread_mutex_unlock(&sh->mu);
+    nc_job_cancel(sh);
     pthread_join(comm->thread, NULL);
     nc_close_all(sh);
     free(comm);
@@ -1911,12 +2102,13 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError)
     if (!comm || !asyncError) return ncclInvalidArgument;
     nc_shared *sh = comm->sh;
     pthread_mutex_lock(&sh->mu);
-    int fin = sh->finalize;
+    int fin = sh->finalize, unsettled = sh->job != NULL;
     ncclResult_t r = fin == NC_FIN_DONE         ? ncclSuccess
                      : sh->error != ncclSuccess ? sh->error
-                     : !sh->ready               ? ncclInProgress
+                     : !sh->ready || unsettled  ? ncclInProgress
                                                 : ncclSuccess;
     pthread_mutex_unlock(&sh->mu);
+    if (unsettled) nc_job_asked(sh);
     if (r == ncclSuccess && fin != NC_FIN_NONE && fin != NC_FIN_DONE) r = nc_finalize_step(sh);
     *asyncError = r;
     return ncclSuccess;

@@ -16,6 +16,10 @@
  *                  no event between (twin: cudaEventRecord + cudaStreamWaitEvent);
  *   free_queued    cudaFree of a block a queued kernel still writes (twin: the
  *                  stream synchronised first).
+ *   unsettled      a cudaMemcpyAsync queued on a non-blocking comm's stream
+ *                  right after its ncclAllReduce answered ncclInProgress
+ *                  (twin: the comm polled to ncclSuccess first); a second
+ *                  call before that is refused with ncclInvalidArgument.
  * Two cases hold no death: stale (a host read of a cudaMemcpyAsync
  * destination before cudaStreamSynchronize sees the old value, after it the
  * new one: the lazy queue's semantics) and gemm_invalid (sizes and leading
@@ -31,6 +35,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include "th_proc.h"
 #include "th_scenario.h"
@@ -315,6 +320,63 @@ static void test_free_queued(void)
     expect_clean(free_queued_good, "cudaFree after the stream's work is done");
 }
 
+/* ---- CUDA work on a non-blocking comm's stream before it settled ---- */
+
+static void unsettled(int settle)
+{
+    ncclUniqueId id;
+    ncclComm_t comm = NULL;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    CHECK_OR_EXIT(ncclGetUniqueId(&id) == ncclSuccess, "ncclGetUniqueId");
+    CHECK_OR_EXIT(ncclCommInitRankConfig(&comm, 1, id, 0, &cfg) == ncclInProgress, "init");
+    ncclResult_t st = ncclInProgress;
+    while (ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclInProgress)
+        ;
+    CHECK_OR_EXIT(st == ncclSuccess, "init: %s", ncclGetErrorString(st));
+    cudaStream_t s = new_stream();
+    float *d = dev_floats(N), *pinned = NULL, host[N];
+    CHECK_OR_EXIT(cudaMallocHost((void **)&pinned, sizeof(float) * N) == cudaSuccess, "pinned");
+    CHECK_OR_EXIT(kern_fill(d, N, 3.0f, s) == 0, "kern_fill");
+    CHECK_OR_EXIT(ncclAllReduce(d, d, N, ncclFloat, ncclSum, comm, s) == ncclInProgress,
+                  "a non-blocking allreduce must answer ncclInProgress");
+    if (settle) {
+        /* The comm takes no other call until it has settled. */
+        CHECK(ncclAllReduce(d, d, N, ncclFloat, ncclSum, comm, s) == ncclInvalidArgument,
+              "a second call before the first settled was taken");
+        while (ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclInProgress)
+            ;
+        CHECK_OR_EXIT(st == ncclSuccess, "allreduce: %s", ncclGetErrorString(st));
+    }
+    CHECK_OR_EXIT(cudaMemcpyAsync(pinned, d, sizeof(float) * N, cudaMemcpyDeviceToHost, s) ==
+                      cudaSuccess,
+                  "cudaMemcpyAsync");
+    CHECK_OR_EXIT(cudaStreamSynchronize(s) == cudaSuccess, "cudaStreamSynchronize");
+    memcpy(host, pinned, sizeof(host));
+    CHECK(host[0] == 3.0f && host[N - 1] == 3.0f, "the copy read %g, not the allreduce's 3",
+          host[0]);
+    ncclCommDestroy(comm);
+    cudaFreeHost(pinned);
+    cudaFree(d);
+    cudaStreamDestroy(s);
+}
+
+static void unsettled_bad(void)
+{
+    unsettled(0);
+}
+
+static void unsettled_good(void)
+{
+    unsettled(1);
+}
+
+static void test_unsettled(void)
+{
+    expect_death(unsettled_bad, "cudaMemcpyAsync", "has not settled");
+    expect_clean(unsettled_good, "the copy queued after the comm settled");
+}
+
 static void test_stale(void)
 {
     cudaStream_t s = new_stream();
@@ -385,7 +447,7 @@ int main(int argc, char **argv)
         {"host_pointer", test_host_pointer}, {"pinned_gemm", test_pinned_gemm},
         {"past_end", test_past_end},         {"race", test_race},
         {"free_queued", test_free_queued},   {"stale", test_stale},
-        {"gemm_invalid", test_gemm_invalid},
+        {"gemm_invalid", test_gemm_invalid}, {"unsettled", test_unsettled},
     };
     th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_gpurt_misuse");

@@ -378,6 +378,14 @@ static ncclResult_t settle(ncclComm_t comm, int ms)
     return st;
 }
 
+/* A call's answer on a blocking or non-blocking comm: 1 once it is
+ * queued (ncclSuccess, or ncclInProgress and then settled to ncclSuccess:
+ * NCCL launches a non-blocking comm's call later, from its own thread). */
+static int issued(ncclComm_t comm, ncclResult_t r)
+{
+    return r == ncclSuccess || (r == ncclInProgress && settle(comm, WAIT_MS) == ncclSuccess);
+}
+
 /* Polls until the comm has an error (neither success nor in progress). */
 static ncclResult_t error_within(ncclComm_t comm, int ms)
 {
@@ -488,7 +496,7 @@ static void allreduce_ints_in_place(rank_ctx *c, ncclComm_t comm, cudaStream_t s
         want[i] = (int32_t)sum;
     }
     CHECK(d && to_dev(d, in, sizeof(in)) == 0);
-    CHECK(ncclAllReduce(d, d, N, ncclInt32, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllReduce(d, d, N, ncclInt32, ncclSum, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d, sizeof(got)) == 0);
     CHECK(memcmp(got, want, sizeof(got)) == 0, "rank %d: int32 in-place sums", c->rank);
     cudaFree(d);
@@ -502,7 +510,7 @@ static void allreduce_double_min(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
     for (int i = 0; i < N; i++)
         in[i] = (double)((c->rank * 37 + i * 11) % 29) - 0.5 * c->rank;
     CHECK(d_in && d_out && to_dev(d_in, in, sizeof(in)) == 0);
-    CHECK(ncclAllReduce(d_in, d_out, N, ncclDouble, ncclMin, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllReduce(d_in, d_out, N, ncclDouble, ncclMin, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d_out, sizeof(got)) == 0);
     for (int i = 0; i < N; i++) {
         double want = 1e300;
@@ -590,7 +598,7 @@ static void allgather(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
             all[r * N + i] = r * 100 + i;
     int32_t *d_in = dev_alloc(sizeof(mine)), *d_out = dev_alloc(sizeof(all));
     CHECK(d_in && d_out && to_dev(d_in, mine, sizeof(mine)) == 0);
-    CHECK(ncclAllGather(d_in, d_out, N, ncclInt32, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllGather(d_in, d_out, N, ncclInt32, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess);
     CHECK(from_dev(got, d_out, (size_t)n * sizeof(mine)) == 0 &&
               memcmp(got, all, (size_t)n * sizeof(mine)) == 0,
@@ -598,7 +606,7 @@ static void allgather(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
     /* In place: this rank's share already sits at its offset. */
     CHECK(cudaMemset(d_out, 0, sizeof(all)) == cudaSuccess);
     CHECK(to_dev(d_out + c->rank * N, mine, sizeof(mine)) == 0);
-    CHECK(ncclAllGather(d_out + c->rank * N, d_out, N, ncclInt32, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllGather(d_out + c->rank * N, d_out, N, ncclInt32, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess);
     CHECK(from_dev(got, d_out, (size_t)n * sizeof(mine)) == 0 &&
               memcmp(got, all, (size_t)n * sizeof(mine)) == 0,
@@ -615,12 +623,12 @@ static void broadcast_from_1(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
     uint8_t *d_in = dev_alloc(N), *d_out = dev_alloc(N);
     CHECK(d_in && d_out && cudaMemset(d_out, 0, N) == cudaSuccess);
     if (c->rank == 1) CHECK(to_dev(d_in, root, N) == 0);
-    CHECK(ncclBroadcast(d_in, d_out, N, ncclUint8, 1, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclBroadcast(d_in, d_out, N, ncclUint8, 1, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d_out, N) == 0);
     CHECK(memcmp(got, root, N) == 0, "rank %d: broadcast from 1", c->rank);
     /* In place, as comm_nccl.c calls it. */
     if (c->rank == 1) CHECK(to_dev(d_out, root + 1, N - 1) == 0);
-    CHECK(ncclBroadcast(d_out, d_out, N - 1, ncclUint8, 1, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclBroadcast(d_out, d_out, N - 1, ncclUint8, 1, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d_out, N - 1) == 0);
     CHECK(memcmp(got, root + 1, N - 1) == 0, "rank %d: in-place broadcast", c->rank);
     cudaFree(d_in), cudaFree(d_out);
@@ -642,12 +650,12 @@ static void reduce_scatter(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
     }
     float *d_in = dev_alloc(all * sizeof(float)), *d_out = dev_alloc(sizeof(want));
     CHECK(d_in && d_out && to_dev(d_in, in, all * sizeof(float)) == 0);
-    CHECK(ncclReduceScatter(d_in, d_out, N, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclReduceScatter(d_in, d_out, N, ncclFloat, ncclSum, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d_out, sizeof(got)) == 0);
     CHECK(memcmp(got, want, sizeof(got)) == 0, "rank %d: reduce-scatter", c->rank);
     /* In place: the result lands on this rank's own chunk. */
     float *mine = d_in + (size_t)c->rank * N;
-    CHECK(ncclReduceScatter(d_in, mine, N, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclReduceScatter(d_in, mine, N, ncclFloat, ncclSum, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, mine, sizeof(got)) == 0);
     CHECK(memcmp(got, want, sizeof(got)) == 0, "rank %d: in-place reduce-scatter", c->rank);
     free(in);
@@ -670,12 +678,12 @@ static void send_recv_ring(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
     CHECK(d_out && d_self && d_left && d_back);
     CHECK(to_dev(d_out, out, sizeof(out)) == 0 && to_dev(d_self, self, sizeof(self)) == 0);
     CHECK(ncclGroupStart() == ncclSuccess);
-    CHECK(ncclRecv(d_left, N, ncclInt64, left, comm, s) == ncclSuccess);
-    CHECK(ncclRecv(d_back, N, ncclInt64, c->rank, comm, s) == ncclSuccess);
-    CHECK(ncclSend(d_out, N, ncclInt64, right, comm, s) == ncclSuccess);
-    CHECK(ncclSend(d_self, N, ncclInt64, c->rank, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclRecv(d_left, N, ncclInt64, left, comm, s)));
+    CHECK(issued(comm, ncclRecv(d_back, N, ncclInt64, c->rank, comm, s)));
+    CHECK(issued(comm, ncclSend(d_out, N, ncclInt64, right, comm, s)));
+    CHECK(issued(comm, ncclSend(d_self, N, ncclInt64, c->rank, comm, s)));
     CHECK(cudaStreamQuery(s) == cudaSuccess, "a group's calls must wait for ncclGroupEnd");
-    CHECK(ncclGroupEnd() == ncclSuccess);
+    CHECK(issued(comm, ncclGroupEnd()));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess);
     CHECK(from_dev(from_left, d_left, sizeof(out)) == 0 &&
           from_dev(from_self, d_back, sizeof(out)) == 0);
@@ -698,12 +706,12 @@ static void send_before_recv(rank_ctx *c, ncclComm_t comm, cudaStream_t s)
     CHECK(d && cudaMemset(d, 0, sizeof(v)) == cudaSuccess);
     if (c->rank == 0) {
         CHECK(to_dev(d, v, sizeof(v)) == 0);
-        CHECK(ncclSend(d, N, ncclDouble, 1, comm, s) == ncclSuccess);
+        CHECK(issued(comm, ncclSend(d, N, ncclDouble, 1, comm, s)));
         CHECK(drained_within(s, WAIT_MS), "a send waits for its receive");
         note(c, 's');
     } else if (c->rank == 1) {
         wait_go(c);
-        CHECK(ncclRecv(d, N, ncclDouble, 0, comm, s) == ncclSuccess);
+        CHECK(issued(comm, ncclRecv(d, N, ncclDouble, 0, comm, s)));
         CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d, sizeof(got)) == 0);
         CHECK(memcmp(got, v, sizeof(v)) == 0, "rank 1: the early send's data");
     }
@@ -770,7 +778,7 @@ static int rank_nonblocking(rank_ctx *c)
     for (int i = 0; i < 64; i++)
         one[i] = (float)(i + c->rank);
     CHECK(to_dev(d, one, sizeof(one)) == 0);
-    CHECK(ncclAllReduce(d, d, 64, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllReduce(d, d, 64, ncclFloat, ncclSum, comm, s)));
     /* Finalize with the allreduce still queued: it must run it to the end. */
     CHECK(ncclCommFinalize(comm) == ncclInProgress);
     CHECK(settle(comm, WAIT_MS) == ncclSuccess);
@@ -823,8 +831,7 @@ static int pending_start(rank_ctx *c, pending *p)
     CHECK_OR_RETURN(cudaMemset(p->d_out, SENTINEL, N * sizeof(float)) == cudaSuccess);
     note(c, 'r');
     wait_go(c);
-    CHECK_OR_RETURN(ncclAllReduce(p->d_in, p->d_out, N, ncclFloat, ncclSum, p->comm, p->s) ==
-                    ncclSuccess);
+    CHECK_OR_RETURN(issued(p->comm, ncclAllReduce(p->d_in, p->d_out, N, ncclFloat, ncclSum, p->comm, p->s)));
     return 0;
 }
 
@@ -989,13 +996,14 @@ static int rank_mismatch(rank_ctx *c)
     CHECK_OR_RETURN(comm && d && cudaStreamCreate(&s) == cudaSuccess);
     ncclResult_t r = c->rank == 0 ? ncclAllReduce(d, d, 16, ncclFloat, ncclSum, comm, s)
                                   : ncclBroadcast(d, d, 16, ncclFloat, 0, comm, s);
-    CHECK_OR_RETURN(r == ncclSuccess);
+    CHECK_OR_RETURN(r == ncclInProgress);
     /* Dies in there; if the other rank died first, its loss shows here. */
     int64_t end = mono_now_ms() + WAIT_MS;
     while (mono_now_ms() < end) {
         ncclResult_t st = ncclSuccess;
-        if (cudaStreamQuery(s) == cudaSuccess) return 3;
-        if (ncclCommGetAsyncError(comm, &st) == ncclSuccess && st != ncclSuccess) _exit(4);
+        if (ncclCommGetAsyncError(comm, &st) != ncclSuccess) _exit(4);
+        if (st != ncclSuccess && st != ncclInProgress) _exit(4);
+        if (st == ncclSuccess && cudaStreamQuery(s) == cudaSuccess) return 3;
         nap();
     }
     return 5;
@@ -1029,10 +1037,11 @@ static int rank_failpoint_async(rank_ctx *c)
     float *d = dev_alloc(8 * sizeof(float)), got[8], one[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     CHECK_OR_RETURN(comm && d && cudaStreamCreate(&s) == cudaSuccess);
     CHECK(to_dev(d, one, sizeof(one)) == 0);
-    CHECK(ncclAllReduce(d, d, 8, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllReduce(d, d, 8, ncclFloat, ncclSum, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d, sizeof(got)) == 0);
     CHECK(got[7] == 2.0f, "the first allreduce gave %g", got[7]);
-    CHECK(ncclAllReduce(d, d, 8, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    /* Non-blocking: the call answers ncclInProgress, its state is the failure. */
+    CHECK(ncclAllReduce(d, d, 8, ncclFloat, ncclSum, comm, s) == ncclInProgress);
     ncclResult_t st = ncclSuccess;
     if (c->rank == 0) {
         CHECK(ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclRemoteError,
@@ -1072,10 +1081,10 @@ static void failpoint_error_then_hang(rank_ctx *c)
     CHECK(to_dev(d, v, sizeof(v)) == 0);
     CHECK(ncclAllReduce(d, d, 4, ncclFloat, ncclSum, comm, s) == ncclSystemError); /* #1 */
     CHECK(cudaStreamQuery(s) == cudaSuccess, "a failed call queued work");
-    CHECK(ncclAllReduce(d, d, 4, ncclFloat, ncclSum, comm, s) == ncclSuccess); /* #2 */
+    CHECK(issued(comm, ncclAllReduce(d, d, 4, ncclFloat, ncclSum, comm, s))); /* #2 */
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(got, d, sizeof(got)) == 0);
     CHECK(memcmp(got, v, sizeof(v)) == 0, "a world of one sums to itself");
-    CHECK(ncclBroadcast(d, d, 4, ncclFloat, 0, comm, s) == ncclSuccess); /* hangs */
+    CHECK(issued(comm, ncclBroadcast(d, d, 4, ncclFloat, 0, comm, s))); /* hangs */
     ncclResult_t st = ncclInProgress;
     CHECK(!drained_within(s, 300), "a hung broadcast completed");
     CHECK(ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclSuccess);
@@ -1163,8 +1172,8 @@ static int rank_arguments(rank_ctx *c)
     CHECK(ncclGroupEnd() == ncclInvalidUsage);
     CHECK(cudaStreamQuery(s) == cudaSuccess, "a refused call queued work");
     /* Moved, never reduced: 16-bit floats still broadcast. */
-    CHECK(ncclBroadcast(d, d, 8, ncclHalf, 0, comm, s) == ncclSuccess);
-    CHECK(ncclAllReduce(d, d, 0, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclBroadcast(d, d, 8, ncclHalf, 0, comm, s)));
+    CHECK(issued(comm, ncclAllReduce(d, d, 0, ncclFloat, ncclSum, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess);
     ncclComm_t none = NULL;
     ncclUniqueId junk;
@@ -1211,7 +1220,7 @@ static int rank_duplicate(rank_ctx *c)
     cudaStream_t s;
     float *d = dev_alloc(sizeof(float)), one = 1.0f, got = 0;
     CHECK_OR_RETURN(d && cudaStreamCreate(&s) == cudaSuccess && to_dev(d, &one, 4) == 0);
-    CHECK(ncclAllReduce(d, d, 1, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(issued(comm, ncclAllReduce(d, d, 1, ncclFloat, ncclSum, comm, s)));
     CHECK(cudaStreamSynchronize(s) == cudaSuccess && from_dev(&got, d, 4) == 0 && got == 2.0f);
     CHECK(ncclCommDestroy(comm) == ncclSuccess);
     cudaStreamDestroy(s);
