@@ -22,12 +22,15 @@
  * Pinned, not pageable: a pageable device-to-host copy blocks the calling
  * thread inside CUDA, where neither the abort flag nor the deadline is seen.
  *
- * Whose failure: ncclRemoteError, and the ncclSystemError or
- * ncclInternalError a dying peer's socket turns into, are a peer's
- * (COMM_ERR_PEER, as a closed socket is on the ring), whether the
- * communicator reports them asynchronously or the next call on it returns
- * them; an invalid argument or usage, or a CUDA error, is this process's
- * own.
+ * Whose failure: ncclRemoteError (NCCL 2.13 and later: a peer closed its
+ * connection, or the network failed) is a peer's (COMM_ERR_PEER, as a
+ * closed socket is on the ring), whether the communicator reports it
+ * asynchronously or the next call on it returns it. Everything else is
+ * this process's own: ncclSystemError and ncclInternalError (memlock too
+ * low, /dev/shm full, out of threads or descriptors: a node broken
+ * locally, which must spend the job's restart budget, not rebuild
+ * forever), an invalid argument or usage, a CUDA error. A timeout or an
+ * abort stays a peer's (comm_err_is_peer).
  *
  * Knowingly simple: the deadline covers a whole collective, not "no
  * progress" as on the ring (NCCL does not report progress); polling sleeps
@@ -97,12 +100,10 @@ static comm_err cuda_fail(nccl_comm *g, const char *what, cudaError_t e)
     return out;
 }
 
-/* The network's or a peer's, or this process's (see the top). */
+/* A peer's (or the network's), or this process's (see the top). */
 static comm_err nccl_kind(ncclResult_t st)
 {
-    return st == ncclRemoteError || st == ncclSystemError || st == ncclInternalError
-               ? COMM_ERR_PEER
-               : COMM_ERR_NCCL;
+    return st == ncclRemoteError ? COMM_ERR_PEER : COMM_ERR_NCCL;
 }
 
 /* The communicator's state: COMM_OK when settled, COMM_ERR_TIMEOUT (not an

@@ -11,9 +11,16 @@
  *                  for a host pointer handed to NCCL;
  *   finalize       a healthy communicator's comm_free finalizes and
  *                  destroys it: nothing is aborted;
- *   peer_system    a peer dies under a collective and the runtime says
- *   peer_remote    ncclSystemError (or ncclRemoteError): the survivors get
+ *   peer_remote    a peer dies under a collective and the runtime says
+ *                  ncclRemoteError (NCCL 2.13 and later): the survivors get
  *                  COMM_ERR_PEER, a peer's loss, not their own failure;
+ *   peer_system    the same with ncclSystemError (NCCL before 2.13): the
+ *                  survivors count it as their own (COMM_ERR_NCCL), since
+ *                  a system error is a local one on NCCL 2.28;
+ *   local_system   every peer alive, one rank's allreduce fails with an
+ *   local_error    async ncclSystemError (or the call returns it): that
+ *                  rank's own failure (COMM_ERR_NCCL), and the others'
+ *                  a peer's loss once it has torn its comm down;
  *   peer_free_first  the same, then the buffer is freed before the comm (the
  *                  reducer's order): the failed collective left nothing queued
  *                  on it (the runtime reports a free under queued work);
@@ -122,11 +129,41 @@ static int finalize_rank(tc_group *g, int rank, void *arg)
 
 /* ---- peer_system, peer_remote, peer_free_first, peer_late ---- */
 
-enum { PEER_PLAIN, PEER_FREE_FIRST, PEER_LATE };
+enum { PEER_PLAIN, PEER_FREE_FIRST, PEER_LATE, PEER_SYSTEM, LOCAL_SYSTEM, LOCAL_ERROR };
+
+/* The local cases: rank 1 fails by itself, the others lose it. */
+static int local_rank(tc_group *g, int rank, int mode)
+{
+    comm *c = tc_connect_or_exit(g, rank);
+    CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
+    g->shared->progress[rank] = 1;
+    /* Rank 1 fails once every rank has its barrier (its frames may still be
+     * in flight until then). */
+    for (int64_t end = mono_now_ms() + 20000; rank == 1 && mono_now_ms() < end;) {
+        int all = 1;
+        for (int r = 0; r < g->world; r++)
+            all &= g->shared->progress[r] != 0;
+        if (all) break;
+        th_sleep_ms(10);
+    }
+    if (rank == 1) rt_fail_next(mode == LOCAL_SYSTEM ? "ncclAllReduce:async:system" : "ncclAllReduce");
+    float *x = NULL;
+    CHECK_OR_RETURN(cudaMalloc((void **)&x, 16 * sizeof(float)) == cudaSuccess);
+    comm_err err = comm_allreduce_sum_f32(c, x, 16);
+    printf("  rank %d: %s (%s)\n", rank, comm_strerror(err), comm_last_error(c));
+    comm_err want = rank == 1 ? COMM_ERR_NCCL : COMM_ERR_PEER;
+    CHECK_OR_RETURN(err == want, "rank %d: gave %s, want %s", rank, comm_strerror(err),
+                    comm_strerror(want));
+    CHECK_OR_RETURN(comm_err_is_peer(err) == (rank != 1));
+    comm_free(c); /* rank 1's teardown is what its peers see */
+    CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
+    return 0;
+}
 
 static int peer_rank(tc_group *g, int rank, void *arg)
 {
     int mode = (int)(intptr_t)arg;
+    if (mode == LOCAL_SYSTEM || mode == LOCAL_ERROR) return local_rank(g, rank, mode);
     int free_first = mode == PEER_FREE_FIRST; /* the reducer's order: buckets go before the comm */
     comm *c = tc_connect_or_exit(g, rank);
     CHECK_OR_RETURN(comm_barrier(c) == COMM_OK, "%s", comm_last_error(c));
@@ -146,9 +183,10 @@ static int peer_rank(tc_group *g, int rank, void *arg)
     CHECK_OR_RETURN(cudaMalloc((void **)&x, 16 * sizeof(float)) == cudaSuccess);
     comm_err err = comm_allreduce_sum_f32(c, x, 16);
     printf("  rank %d: %s (%s)\n", rank, comm_strerror(err), comm_last_error(c));
-    CHECK_OR_RETURN(err == COMM_ERR_PEER, "rank %d: a dead peer gave %s, want a peer's loss", rank,
-                    comm_strerror(err));
-    CHECK_OR_RETURN(comm_err_is_peer(err));
+    comm_err want = mode == PEER_SYSTEM ? COMM_ERR_NCCL : COMM_ERR_PEER;
+    CHECK_OR_RETURN(err == want, "rank %d: a dead peer gave %s, want %s", rank, comm_strerror(err),
+                    comm_strerror(want));
+    CHECK_OR_RETURN(comm_err_is_peer(err) == (mode != PEER_SYSTEM));
     if (free_first) CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
     comm_free(c);
     if (!free_first) CHECK_OR_RETURN(cudaFree(x) == cudaSuccess);
@@ -258,6 +296,8 @@ static const test_case cases[] = {
     {"peer_remote", 3, peer_rank},
     {"peer_free_first", 3, peer_rank},
     {"peer_late", 3, peer_rank},
+    {"local_system", 3, peer_rank},
+    {"local_error", 3, peer_rank},
     {"cancel", 3, cancel_rank},
     {"deadlines", 3, deadlines_rank},
 };
@@ -276,7 +316,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "test_gpu_comm: unknown case %s\n", argv[1]);
         return 2;
     }
-    if (strcmp(argv[1], "peer_remote") == 0) setenv("DUCTILE_GPURT_PEER_ERROR", "remote", 1);
+    if (strcmp(argv[1], "peer_system") == 0) setenv("DUCTILE_GPURT_PEER_ERROR", "system", 1);
     test_etcd e;
     const char *etcd = test_etcd_shared_or_start(&e);
     CHECK_OR_EXIT(etcd, "no etcd");
@@ -290,6 +330,9 @@ int main(int argc, char **argv)
     g.timeout_ms = 20000;
     int mode = strcmp(argv[1], "peer_free_first") == 0 ? PEER_FREE_FIRST
                : strcmp(argv[1], "peer_late") == 0     ? PEER_LATE
+               : strcmp(argv[1], "peer_system") == 0   ? PEER_SYSTEM
+               : strcmp(argv[1], "local_system") == 0  ? LOCAL_SYSTEM
+               : strcmp(argv[1], "local_error") == 0   ? LOCAL_ERROR
                                                        : PEER_PLAIN;
     void *arg = (void *)(intptr_t)mode;
     CHECK(tc_run(&g, tc->fn, arg, 60) == 0, "%s: a rank failed", tc->name);

@@ -105,10 +105,11 @@ void rt_op_access(rt_op *op, const void *p, size_t bytes, int write);
  * gpurt.cuda.NAME, or gpurt.nccl...) and returns the action that fires for
  * this call, or NULL. family is "cuda" or "nccl". */
 const char *rt_call(const char *family, const char *name);
-/* White-box: the next call named `name` (cudaStreamSynchronize, ...) fails
+/* White-box: the next call named NAME (cudaStreamSynchronize, ...) fails
  * as an "error" failpoint would, once, whatever DUCTILE_FAILPOINTS says: a
- * test reaches a call whose place in the count it cannot know. */
-void rt_fail_next(const char *name);
+ * test reaches a call whose place in the count it cannot know. "NAME:ACTION"
+ * fires ACTION instead (ncclAllReduce:async:system). */
+void rt_fail_next(const char *spec);
 
 /* Queues op (its name and accesses filled) on s, NULL meaning the legacy
  * default stream; checks its accesses against other streams' unordered

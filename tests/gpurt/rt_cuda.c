@@ -126,22 +126,29 @@ static cudaError_t ret(cudaError_t e)
 }
 
 static pthread_mutex_t armed_mu = PTHREAD_MUTEX_INITIALIZER;
-static char armed[64]; /* rt_fail_next's call name, "" when none */
+static char armed[64];        /* rt_fail_next's call name, "" when none */
+static char armed_action[32]; /* and its action */
 
-void rt_fail_next(const char *name)
+void rt_fail_next(const char *spec)
 {
     pthread_mutex_lock(&armed_mu);
-    snprintf(armed, sizeof(armed), "%s", name);
+    const char *colon = strchr(spec, ':');
+    snprintf(armed, sizeof(armed), "%.*s", colon ? (int)(colon - spec) : (int)strlen(spec), spec);
+    snprintf(armed_action, sizeof(armed_action), "%s", colon ? colon + 1 : "error");
     pthread_mutex_unlock(&armed_mu);
 }
 
 const char *rt_call(const char *family, const char *name)
 {
+    static __thread char fired[32];
     pthread_mutex_lock(&armed_mu);
     int fire = armed[0] && strcmp(armed, name) == 0;
-    if (fire) armed[0] = '\0';
+    if (fire) {
+        armed[0] = '\0';
+        memcpy(fired, armed_action, sizeof(fired));
+    }
     pthread_mutex_unlock(&armed_mu);
-    if (fire) return "error";
+    if (fire) return fired;
     char full[128];
     snprintf(full, sizeof(full), "gpurt.%s", family);
     const char *any = failpoint(full);

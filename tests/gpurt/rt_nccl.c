@@ -26,9 +26,9 @@
  * missing peer keeps init in progress until the caller gives up.
  *
  * Environment: DUCTILE_GPURT_ADDR (the IPv4 address to listen on, default
- * 127.0.0.1), DUCTILE_GPURT_PEER_ERROR=remote (a lost peer is
- * ncclRemoteError; by default ncclSystemError, what NCCL's socket transport
- * usually says). Failpoints (rt.h) count ncclGetUniqueId, the inits,
+ * 127.0.0.1), DUCTILE_GPURT_PEER_ERROR=system (a lost peer is
+ * ncclSystemError, as NCCL before 2.13 said; by default ncclRemoteError,
+ * what NCCL 2.13 and later's socket transport says of a closed peer). Failpoints (rt.h) count ncclGetUniqueId, the inits,
  * ncclCommFinalize, the collectives, ncclSend and ncclRecv; queries, group
  * brackets and teardown are not counted (a poll loop would make counts
  * depend on timing, and teardown must always work).
@@ -1878,7 +1878,7 @@ static ncclResult_t nc_comm_new(const char *name, const char *action, int nranks
     }
     c->sh = sh;
     const char *lost = getenv("DUCTILE_GPURT_PEER_ERROR");
-    sh->peer_error = lost && strcmp(lost, "remote") == 0 ? ncclRemoteError : ncclSystemError;
+    sh->peer_error = lost && strcmp(lost, "system") == 0 ? ncclSystemError : ncclRemoteError;
     if (nc_env_addr(&sh->addr) != 0) {
         r = nc_fail_here(ncclInvalidUsage, "DUCTILE_GPURT_ADDR is not an IPv4 address");
         goto err;

@@ -20,9 +20,9 @@
  *   nonblocking   init returns ncclInProgress and stays so while a peer is
  *                 missing; finalize returns ncclInProgress, then ncclSuccess
  *                 with the queued allreduce done
- *   killed, killed_remote   a peer SIGKILLed: the survivors get
- *                 ncclSystemError (ncclRemoteError with
- *                 DUCTILE_GPURT_PEER_ERROR=remote), their queued allreduce
+ *   killed, killed_system   a peer SIGKILLed: the survivors get
+ *                 ncclRemoteError (ncclSystemError, NCCL before 2.13, with
+ *                 DUCTILE_GPURT_PEER_ERROR=system), their queued allreduce
  *                 completes only after ncclCommAbort, recv untouched
  *   stopped       a peer SIGSTOPped: no error, the allreduce still pending
  *                 after 1 s, done after ncclCommAbort
@@ -865,7 +865,7 @@ static int rank_killed(rank_ctx *c)
 {
     if (c->rank == 2) return rank_victim(c);
     const char *pe = getenv("DUCTILE_GPURT_PEER_ERROR");
-    ncclResult_t want = pe && strcmp(pe, "remote") == 0 ? ncclRemoteError : ncclSystemError;
+    ncclResult_t want = pe && strcmp(pe, "system") == 0 ? ncclSystemError : ncclRemoteError;
     pending p;
     CHECK_OR_RETURN(pending_start(c, &p) == 0);
     note(c, 'q');
@@ -915,9 +915,9 @@ static void test_killed(void)
     killed_world(NULL);
 }
 
-static void test_killed_remote(void)
+static void test_killed_system(void)
 {
-    killed_world("remote");
+    killed_world("system");
 }
 
 static int rank_stopped(rank_ctx *c)
@@ -1051,7 +1051,7 @@ static int rank_failpoint_async(rank_ctx *c)
         CHECK(ncclAllReduce(d, d, 8, ncclFloat, ncclSum, comm, s) == ncclRemoteError);
     } else {
         st = error_within(comm, WAIT_MS);
-        CHECK(st == ncclSystemError, "rank 1: %s", ncclGetErrorString(st));
+        CHECK(st == ncclRemoteError, "rank 1: %s", ncclGetErrorString(st));
         CHECK(strstr(ncclGetLastError(comm), "rank 1: connection to rank 0 closed"), "%s",
               ncclGetLastError(comm));
         CHECK(cudaStreamQuery(s) == cudaErrorNotReady);
@@ -1118,7 +1118,7 @@ static void failpoint_async_allgather(void)
     CHECK(cudaMemset(d, 0, 4 * sizeof(float)) == cudaSuccess);
     CHECK(ncclAllGather(d, d + 2, 2, ncclFloat, comm, s) == ncclSuccess); /* async */
     ncclResult_t st = ncclSuccess;
-    CHECK(ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclSystemError,
+    CHECK(ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclRemoteError,
           "plain async gave %s", ncclGetErrorString(st));
     CHECK(!drained_within(s, 100));
     CHECK(ncclCommAbort(comm) == ncclSuccess);
@@ -1262,7 +1262,7 @@ static int rank_wrong_id(rank_ctx *c)
     CHECK_OR_RETURN(ncclCommInitRankConfig(&comm, 2, c->id, c->rank, &cfg) == ncclInProgress);
     if (c->rank == 1) {
         ncclResult_t st = settle(comm, WAIT_MS);
-        CHECK(st == ncclSystemError, "a wrong nonce gave %s", ncclGetErrorString(st));
+        CHECK(st == ncclRemoteError, "a wrong nonce gave %s", ncclGetErrorString(st));
         CHECK(strstr(ncclGetLastError(comm), "bootstrap root"), "%s", ncclGetLastError(comm));
         note(c, 'x');
     } else {
@@ -1296,7 +1296,7 @@ int main(int argc, char **argv)
         {"collectives", test_collectives},
         {"nonblocking", test_nonblocking},
         {"killed", test_killed},
-        {"killed_remote", test_killed_remote},
+        {"killed_system", test_killed_system},
         {"stopped", test_stopped},
         {"host_pointer", test_host_pointer},
         {"mismatch", test_mismatch},
