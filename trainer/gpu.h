@@ -52,6 +52,12 @@ int gpu_upload(model *m, const optim *o, char *msg);
 int gpu_download(model *m, optim *o, char *msg);
 /* Waits for queued work; 0, or -1 and the first error since attach. */
 int gpu_status(model *m, char *msg);
+/* After a failure: 1 when this process's CUDA context holds a sticky error
+ * (an illegal address, a launch failure, ECC, an Xid: every later call
+ * answers it, so only a fresh process can go on), with one line in msg;
+ * else 0, and an error that was not sticky is forgotten, so the next
+ * round starts clean in place. */
+int gpu_poisoned(model *m, char *msg);
 
 /* The model.h and optim.h operations on the device. */
 const float *gpu_forward(model *m, int batch);
@@ -122,6 +128,11 @@ static inline int gpu_download(model *m, optim *o, char *msg)
     return -1;
 }
 static inline int gpu_status(model *m, char *msg)
+{
+    (void)m, (void)msg;
+    return 0;
+}
+static inline int gpu_poisoned(model *m, char *msg)
 {
     (void)m, (void)msg;
     return 0;

@@ -450,6 +450,26 @@ int gpu_status(model *m, char *msg)
     return gpu_sync(m->dev, msg);
 }
 
+/* CUDA gives no "is this sticky" call; a sticky error is the one every
+ * later call answers. So: clear the thread's last error (a non-sticky one
+ * goes with it) and ask the compute stream, which a healthy context
+ * answers with success or "not ready". */
+int gpu_poisoned(model *m, char *msg)
+{
+    gpu_ctx *g = m->dev;
+    if (!g) return 0;
+    (void)cudaGetLastError();
+    cudaError_t e = cudaStreamQuery(g->compute);
+    if (e == cudaSuccess || e == cudaErrorNotReady) {
+        g->failed = 0;
+        g->err[0] = '\0';
+        return 0;
+    }
+    snprintf(msg, GPU_MSG_MAX, "the CUDA context is poisoned by a sticky error (%s: %s)",
+             cudaGetErrorName(e), cudaGetErrorString(e));
+    return 1;
+}
+
 /* ---- forward, loss, backward ---- */
 
 /* The batch the host gathered into m->x/m->y goes to the device on the copy

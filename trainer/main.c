@@ -684,6 +684,20 @@ static void report_failure(trainer *t, int peer, const char *why)
         elastic_report_failed(t->el, why);
 }
 
+/* A sticky CUDA error poisons this process's context for good: every
+ * later call answers it, so a rebuild in place would fail round after
+ * round until the restart budget is spent. The process exits instead
+ * (counted once, by its exit) and the agent starts a fresh one, which gets
+ * the state from the survivors. A non-sticky error is cleared there and
+ * the rebuild goes on. */
+static int context_poisoned(trainer *t)
+{
+    char msg[GPU_MSG_MAX];
+    if (!t->m || !t->m->dev || !gpu_poisoned(t->m, msg)) return 0;
+    fail(t, "rank %d: %s: exiting, so that the agent starts a fresh process", t->g.rank, msg);
+    return 1;
+}
+
 /* 1 when the group's communicator failed because a peer went away (it
  * closed, went silent, or the group was aborted); 0 when it still works or
  * failed here (a step that failed before or beside it is first-hand). */
@@ -728,6 +742,7 @@ static loop_state trainer_regroup(trainer *t, const char *why)
         t->g.round = rd.round;
         elastic_attach(t->el, NULL, rd.round); /* from now on, what the agent says is about rd */
         group_err ge = group_connect(&t->g, &t->env, &link, msg);
+        if (ge != GROUP_OK && context_poisoned(t)) return LOOP_FAILED;
         if (ge != GROUP_OK) {
             fail(t, "rank %d: %s; waiting for the next round", t->g.rank, msg);
             report_failure(t, ge == GROUP_ERR_PEER, msg);
@@ -737,6 +752,7 @@ static loop_state trainer_regroup(trainer *t, const char *why)
         if (reducer_create(t) != 0) return LOOP_FAILED;
         t->why[0] = '\0';
         if (resume_and_sync(t) != 0) {
+            if (context_poisoned(t)) return LOOP_FAILED;
             report_failure(t, peer_gone(t),
                            t->why[0] ? t->why : "agreeing on the group's state failed");
             continue;
@@ -763,6 +779,7 @@ static loop_state trainer_recover(trainer *t, const char *what)
 {
     char why[TRAINER_MSG_MAX + 64];
     snprintf(why, sizeof(why), "%s: %s", what, t->why[0] ? t->why : "no detail");
+    if (context_poisoned(t)) return LOOP_FAILED;
     report_failure(t, peer_gone(t), why);
     return trainer_regroup(t, why);
 }

@@ -375,6 +375,7 @@ step_pod_kill_join() {
     if [ $pkj_rc = 0 ]; then
         pass "pod_kill_join (${pkj_msg#OK })"
     else
+        pkj_msg=${pkj_msg#FAIL }
         fail pod_kill_join "${pkj_msg:-python3 $(why_rc $pkj_rc 1500)}" "$tmp/pod_kill_join.log"
     fi
 }

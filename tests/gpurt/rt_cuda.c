@@ -290,15 +290,16 @@ static cudaError_t free_block(void *p, rt_mem kind, const char *call)
      * the stream is one reorder away from freeing under a kernel (and a
      * hung op or a collective whose peers never come would block it). */
     cudaStream_t on = NULL;
-    rt_op *user = queued_user(b, &on);
+    rt_op *user = sticky ? NULL : queued_user(b, &on); /* a poisoned context runs nothing more */
     if (user)
         rt_die("%s(%p): %s queued on stream %d still uses this memory", call, p, user->name,
                on->id);
     *pp = b->next;
+    cudaError_t e = sticky; /* a poisoned context frees (nothing leaks here) but says so */
     rt_unlock();
     free(b->base);
     free(b);
-    return cudaSuccess;
+    return ret(e);
 }
 
 cudaError_t cudaFree(void *p)
@@ -314,6 +315,7 @@ cudaError_t cudaFreeHost(void *p)
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p)
 {
     if (!a) return ret(cudaErrorInvalidValue);
+    if (sticky) return ret(sticky);
     rt_lock();
     block *b = find_block(p);
     rt_mem k = b ? b->kind : RT_MEM_UNKNOWN;
@@ -618,8 +620,9 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
     /* Events on it can be complete without a way to join its clock any more. */
     vc_join(&host_vc, &s->vc);
     /* Its records stay: the id's clock goes on, so they still order right. */
+    cudaError_t e = sticky;
     rt_unlock();
-    return cudaSuccess;
+    return ret(e);
 }
 
 static cudaError_t check_stream(cudaStream_t s)
@@ -686,7 +689,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e)
 {
     if (!e) return ret(cudaErrorInvalidResourceHandle);
     free(e);
-    return cudaSuccess;
+    return ret(sticky);
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
@@ -906,6 +909,7 @@ cudaError_t cudaGetDeviceCount(int *count)
 {
     if (!count) return ret(cudaErrorInvalidValue);
     const char *a = rt_call("cuda", "cudaGetDeviceCount");
+    if (sticky) return ret(sticky);
     *count = is_action(a, "error") ? 0 : rt_device_count();
     return *count ? cudaSuccess : ret(cudaErrorNoDevice);
 }
@@ -924,7 +928,7 @@ cudaError_t cudaGetDevice(int *device)
 {
     if (!device) return ret(cudaErrorInvalidValue);
     *device = current_device;
-    return cudaSuccess;
+    return ret(sticky);
 }
 
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int device)

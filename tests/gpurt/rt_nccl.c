@@ -2101,6 +2101,9 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError)
 {
     if (!comm || !asyncError) return ncclInvalidArgument;
     nc_shared *sh = comm->sh;
+    /* A poisoned CUDA context fails NCCL's kernels and proxy too. */
+    if (rt_sticky() != cudaSuccess)
+        nc_fail(sh, ncclUnhandledCudaError, "CUDA: %s", cudaGetErrorString(rt_sticky()));
     pthread_mutex_lock(&sh->mu);
     int fin = sh->finalize, unsettled = sh->job != NULL;
     ncclResult_t r = fin == NC_FIN_DONE         ? ncclSuccess
