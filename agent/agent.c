@@ -645,6 +645,7 @@ static void launch_round(agent *a, const char *maddr, int mport)
                            .master_addr = maddr,
                            .master_port = mport,
                            .node_addr = a->o->node_addr,
+                           .node_id = a->o->node_id,
                            .restarts = rd->restarts,
                            .max_restarts = rd->max_restarts,
                            .job = a->o->job,

@@ -143,6 +143,7 @@ static char **env_build(const agent_round_env *r, int lr, const char *error_file
     bad |= env_add(env, &n, CTL_ENV_STORE_PREFIX, "%s", r->store_prefix);
     bad |= env_add(env, &n, CTL_ENV, "3");
     if (r->node_addr) bad |= env_add(env, &n, CTL_ENV_NODE_ADDR, "%s", r->node_addr);
+    if (r->node_id) bad |= env_add(env, &n, CTL_ENV_NODE_ID, "%s", r->node_id);
     const char *fp = getenv("DUCTILE_WORKER_FAILPOINTS");
     if (fp && *fp) bad |= env_add(env, &n, CTL_ENV_FAILPOINTS, "%s", fp);
     bad |= env_add_threads(env, &n, r->local_world_size);

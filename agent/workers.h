@@ -73,6 +73,7 @@ typedef struct agent_round_env {
     const char *master_addr;
     int master_port;
     const char *node_addr; /* this node's address: workers listen there */
+    const char *node_id;   /* --node-id */
     int64_t restarts;
     int max_restarts;
     const char *job;

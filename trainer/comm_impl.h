@@ -38,6 +38,29 @@ struct comm {
     char last_error[COMM_MSG_MAX];
 };
 
+/* Ranks one shared-memory segment takes. */
+#define SHM_MAX_RANKS 64
+
+/* This process's host for shared memory: the kernel's boot id and the
+ * network namespace's inode ("same kernel, same abstract socket
+ * namespace"); 0, or -1 when /proc cannot say. */
+int comm_host_id(char *out, size_t len);
+
+/* comm_choose.c: how a round's ranks meet, decided by rank 0 from what
+ * every rank publishes (its device, node and host) and followed by all.
+ * A CPU rank of a round of world >= 2 (cfg->store set): publishes, waits
+ * for rank 0's verdict until deadline (rank 0 makes it). A refused round
+ * is COMM_ERR_ARG with the one line in c's last error; *host_of is
+ * malloc'd (world entries) when the ranks share hosts, NULL for the ring. */
+comm_err comm_choose(comm *c, const comm_config *cfg, int64_t deadline, int **host_of);
+/* A CUDA rank: publishes its entry; rank 0 also publishes "transport"
+ * ("nccl NODE"), so a CPU rank of the round stops at once. */
+comm_err comm_choose_nccl(comm *c, const comm_config *cfg);
+/* 1 when a store value (the NCCL id a CUDA rank waits for) is a CPU rank
+ * 0's refusal of the round: "refused REASON". */
+int comm_choose_refused(const char *v, size_t len);
+#define COMM_REFUSED_PREFIX_LEN 8 /* strlen("refused ") */
+
 /* Fills the shared part of a new comm. */
 void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size);
 

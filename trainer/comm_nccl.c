@@ -400,6 +400,12 @@ static comm_err nccl_share_id(nccl_comm *g, const comm_config *cfg, ncclUniqueId
     size_t len = 0;
     rdzv_err e = rdzv_store_wait(cfg->store, "nccl/id", g->timeout_ms, &val, &len);
     if (e != RDZV_OK) return comm_store_error(&g->base, cfg->store, e, "waiting for the NCCL id");
+    if (comm_choose_refused(val, len)) {
+        comm_err err = comm_fail(&g->base, COMM_ERR_ARG, "%.*s", (int)(len - COMM_REFUSED_PREFIX_LEN),
+                                 (const char *)val + COMM_REFUSED_PREFIX_LEN);
+        free(val);
+        return err;
+    }
     int bad = hex_decode(val, len, (unsigned char *)id->internal, sizeof(id->internal));
     free(val);
     if (bad) return comm_fail(&g->base, COMM_ERR_STORE, "malformed NCCL id in the store");
@@ -450,6 +456,9 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
 
     ncclUniqueId id;
     comm_err err = nccl_alloc(g);
+    /* Every rank must be on CUDA: a CPU rank never joins the NCCL
+     * bootstrap, so the round is refused (comm_choose.c). */
+    if (err == COMM_OK && cfg->world_size > 1) err = comm_choose_nccl(&g->base, cfg);
     if (err == COMM_OK) err = nccl_share_id(g, cfg, &id); /* its own deadline */
     if (err != COMM_OK) goto err;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;

@@ -25,13 +25,10 @@
  * poll() says POLLHUP. This works across PID namespaces (containers that
  * share a network namespace) where pidfds would not.
  *
- * Bootstrap (comm_cpu_init): every rank publishes "host/<rank>" in the
- * round store: the boot id and the network namespace's inode, which
- * together say "same kernel, same abstract socket namespace". Rank 0 reads
- * them all and publishes "transport": every rank's host index, or "ring",
- * or "refused REASON" when a rank given --comm shm (its host published as
- * "shm-only:ID") cannot have it: every rank then fails with that line.
- * One host: shared memory alone; a host each: the ring; else both
+ * Bootstrap (comm_cpu_init): rank 0 chooses for the round from what every
+ * rank publishes (comm_choose.c: its device, node and host, the boot id
+ * and network namespace that say "same kernel, same abstract socket
+ * namespace"), and every rank follows. One host: shared memory alone; a host each: the ring; else both
  * (comm_hier.c). A host's leader (its lowest rank) makes the segment,
  * listens on an abstract AF_UNIX socket (a random name, so rounds and jobs
  * never collide; abstract names vanish with the process) and publishes it
@@ -76,7 +73,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SHM_MAX_RANKS 64
 #define SHM_SLOT (128u * 1024u) /* bytes per rank per chunk */
 #define SHM_SPIN 200            /* polls of the generation before yielding */
 #define SHM_YIELDS 50           /* sched_yield()s before sleeping */
@@ -474,7 +470,7 @@ static size_t shm_seg_bytes(int world)
 
 /* "BOOTID-NETNS": ranks with the same one share a kernel and an abstract
  * socket namespace, so they can pass a memfd. 0 or -1. */
-static int shm_host_id(char *out, size_t len)
+int comm_host_id(char *out, size_t len)
 {
     char boot[64] = "";
     FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
@@ -793,140 +789,7 @@ static comm_err shm_group(const comm_config *cfg, const int *host_of, int lrank,
     return COMM_OK;
 }
 
-/* ---- comm_cpu_init: which transport ---- */
-
-/* A rank given --comm shm publishes its host behind this mark, so that
- * rank 0 can refuse the round for everyone at once when the ranks are not
- * all on one host (its peers would otherwise wait for it). */
-#define SHM_ONLY "shm-only:"
-#define REFUSED "refused "
-
-/* The host id behind a published host value. */
-static const char *host_part(const char *v)
-{
-    return strncmp(v, SHM_ONLY, strlen(SHM_ONLY)) == 0 ? v + strlen(SHM_ONLY) : v;
-}
-
-/* Rank 0: reads every rank's host and publishes "transport": "hosts" and
- * each rank's host index (in order of first appearance), or "ring" when a
- * host has more ranks than a segment takes, or "refused REASON" when a
- * rank given --comm shm cannot have it: every rank then fails with the
- * same line at once. */
-static comm_err cpu_decide(comm *c, const comm_config *cfg, const char *mine, int64_t deadline)
-{
-    int w = cfg->world_size, nhosts = 0, ring = 0, shm_only = -1;
-    char **ids = calloc((size_t)w, sizeof(*ids));
-    int *host_of = calloc((size_t)w, sizeof(int)), *count = calloc((size_t)w, sizeof(int));
-    char *v = malloc(COMM_MSG_MAX + 12 * (size_t)w);
-    comm_err err = COMM_OK;
-    if (!ids || !host_of || !count || !v || !(ids[0] = strdup(mine))) {
-        err = comm_fail(c, COMM_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    for (int r = 1; r < w; r++) {
-        char key[32];
-        size_t len = 0;
-        snprintf(key, sizeof(key), "host/%d", r);
-        rdzv_err re =
-            rdzv_store_wait(cfg->store, key, ring_ms_left(deadline), (void **)&ids[r], &len);
-        if (re != RDZV_OK) {
-            err = comm_store_error(c, cfg->store, re, "waiting for the ranks' hosts");
-            goto out;
-        }
-    }
-    size_t k = (size_t)sprintf(v, "hosts");
-    for (int r = 0; r < w; r++) {
-        int j = 0;
-        while (j < r && strcmp(host_part(ids[j]), host_part(ids[r])) != 0)
-            j++;
-        host_of[r] = j < r ? host_of[j] : nhosts++;
-        if (++count[host_of[r]] > SHM_MAX_RANKS) ring = 1;
-        if (shm_only < 0 && host_part(ids[r]) != ids[r]) shm_only = r;
-        k += (size_t)sprintf(v + k, " %d", host_of[r]);
-    }
-    if (ring) strcpy(v, "ring");
-    if (shm_only >= 0 && ring)
-        snprintf(v, COMM_MSG_MAX, REFUSED "--comm shm (rank %d): a host has over %d ranks",
-                 shm_only, SHM_MAX_RANKS);
-    else if (shm_only >= 0 && nhosts > 1)
-        snprintf(v, COMM_MSG_MAX,
-                 REFUSED "--comm shm (rank %d) needs every rank on one host; the round's ranks "
-                         "are on %d hosts",
-                 shm_only, nhosts);
-    rdzv_err re = rdzv_store_set(cfg->store, "transport", v, strlen(v));
-    if (re != RDZV_OK) err = comm_store_error(c, cfg->store, re, "publishing the transport");
-out:
-    for (int r = 0; ids && r < w; r++)
-        free(ids[r]);
-    free(ids);
-    free(host_of);
-    free(count);
-    free(v);
-    return err;
-}
-
-/* "hosts H0 H1 ..." into host_of (world entries): 0 or -1. */
-static int parse_hosts(const char *v, int w, int *host_of)
-{
-    if (strncmp(v, "hosts", 5) != 0) return -1;
-    const char *p = v + 5;
-    for (int r = 0; r < w; r++) {
-        char *end;
-        long h = strtol(p, &end, 10);
-        if (end == p || h < 0 || h > r) return -1;
-        host_of[r] = (int)h;
-        p = end;
-    }
-    return *p ? -1 : 0;
-}
-
-/* Every rank: publish the host, learn every rank's host index from rank 0
- * (*host_of, world entries, malloc'd) or NULL when it chose the ring. */
-static comm_err cpu_hosts(comm *c, const comm_config *cfg, int64_t deadline, int **host_of)
-{
-    char host[160], key[32];
-    *host_of = NULL;
-    if (cfg->transport == COMM_TRANSPORT_RING)
-        /* A host of its own: rank 0's decision puts this rank on the ring,
-         * and the others follow it, whatever --comm they were given. */
-        snprintf(host, sizeof(host), "ring-only-%d", cfg->rank);
-    else if (cfg->host_id)
-        snprintf(host, sizeof(host), "%s", cfg->host_id);
-    else if (shm_host_id(host, sizeof(host)) < 0)
-        snprintf(host, sizeof(host), "unknown-%d", cfg->rank);
-    if (cfg->transport == COMM_TRANSPORT_SHM) {
-        char id[sizeof(host)];
-        snprintf(id, sizeof(id), "%s", host);
-        snprintf(host, sizeof(host), SHM_ONLY "%.*s", (int)(sizeof(host) - sizeof(SHM_ONLY)), id);
-    }
-    snprintf(key, sizeof(key), "host/%d", cfg->rank);
-    rdzv_err re = rdzv_store_set(cfg->store, key, host, strlen(host));
-    if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "publishing the host");
-    if (cfg->rank == 0) {
-        comm_err err = cpu_decide(c, cfg, host, deadline);
-        if (err != COMM_OK) return err;
-    }
-    void *val = NULL;
-    size_t len = 0;
-    re = rdzv_store_wait(cfg->store, "transport", ring_ms_left(deadline), &val, &len);
-    if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "waiting for rank 0's transport");
-    comm_err err = COMM_OK;
-    if (strncmp(val, REFUSED, strlen(REFUSED)) == 0) {
-        err = comm_fail(c, COMM_ERR_ARG, "%s", (char *)val + strlen(REFUSED));
-    } else if (strcmp(val, "ring") != 0) {
-        *host_of = malloc(sizeof(int) * (size_t)cfg->world_size);
-        if (!*host_of)
-            err = comm_fail(c, COMM_ERR_NOMEM, "out of memory");
-        else if (parse_hosts(val, cfg->world_size, *host_of) < 0)
-            err = comm_fail(c, COMM_ERR_STORE, "malformed transport '%.60s'", (char *)val);
-        if (err != COMM_OK) {
-            free(*host_of);
-            *host_of = NULL;
-        }
-    }
-    free(val);
-    return err;
-}
+/* ---- comm_cpu_init: the transport comm_choose.c chose ---- */
 
 /* Builds this rank's parts by host_of: the segment of its host (when it
  * shares the host), and on a host's leader (its lowest rank) the ring
@@ -1019,7 +882,7 @@ comm_err comm_cpu_init(const comm_config *cfg, comm **out)
         err = comm_fail(&boot->base, COMM_ERR_TIMEOUT,
                         "the ranks did not meet (failpoint shm.connect)");
     else
-        err = cpu_hosts(&boot->base, cfg, deadline, &host_of);
+        err = comm_choose(&boot->base, cfg, deadline, &host_of);
     if (err == COMM_OK && !host_of) {
         if (cfg->transport == COMM_TRANSPORT_SHM)
             err = comm_fail(&boot->base, COMM_ERR_ARG,

@@ -493,9 +493,13 @@ static int trainer_setup(trainer *t)
     return 0;
 }
 
-/* --device: the trainer on this node's LOCAL_RANK-th GPU. auto is CUDA when
- * every local rank can have a device of its own (NCCL cannot put two ranks
- * of one communicator on one GPU), else the CPU. */
+/* --device: the trainer's GPU. A process that sees one device uses it,
+ * device 0, whatever its LOCAL_RANK (CUDA_VISIBLE_DEVICES set per process,
+ * or a device plugin that gives each container one GPU); one that sees at
+ * least a device per local rank uses its LOCAL_RANK-th. auto is CUDA in
+ * both cases, else the CPU: NCCL refuses two ranks of one communicator on
+ * one GPU. A CPU rank in a round of CUDA ranks is refused for the whole
+ * round at once (comm_choose.c), not timed out. */
 static int pick_device(trainer *t)
 {
     char why[TRAINER_MSG_MAX];
@@ -504,15 +508,12 @@ static int pick_device(trainer *t)
     if (o->device == DEVICE_CPU) return 0;
     int n = gpu_device_count(why);
     if (n == 0 && o->device == DEVICE_CUDA) return fail(t, "--device cuda: %s", why);
-    if (n == 0) {
-        o->device = DEVICE_CPU;
-        return 0;
-    }
-    if (n < lws && o->device == DEVICE_CUDA)
+    int fits = n == 1 || n >= lws;
+    if (n > 0 && !fits && o->device == DEVICE_CUDA)
         return fail(t, "--device cuda: %d local ranks but %d CUDA devices (one each needed)", lws,
                     n);
-    o->device = n >= lws ? DEVICE_CUDA : DEVICE_CPU;
-    o->gpu = t->env.local_rank;
+    o->device = n > 0 && fits ? DEVICE_CUDA : DEVICE_CPU;
+    o->gpu = n == 1 ? 0 : t->env.local_rank;
     return 0;
 }
 

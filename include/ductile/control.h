@@ -149,6 +149,7 @@
     X(CTL_ENV_STORE_PREFIX, "that round's store prefix in etcd")                                   \
     X(CTL_ENV, "the control channel's file descriptor")                                            \
     X(CTL_ENV_NODE_ADDR, "this node's address: workers listen there")                              \
+    X(CTL_ENV_NODE_ID, "this node's id (--node-id): named in a refused round's line")              \
     X(CTL_ENV_FAILPOINTS, "the worker's failpoints (the agent's are not inherited)")
 
 #define CTL_ENV_RANK "RANK"
@@ -161,6 +162,7 @@
 #define CTL_ENV_ROUND "DUCTILE_ROUND"
 #define CTL_ENV_STORE_PREFIX "DUCTILE_STORE_PREFIX"
 #define CTL_ENV_NODE_ADDR "DUCTILE_NODE_ADDR"
+#define CTL_ENV_NODE_ID "DUCTILE_NODE_ID"
 #define CTL_ENV_FAILPOINTS "DUCTILE_FAILPOINTS"
 /* X(NAME, rdzv_etcd field): the credentials, passed on only when set. */
 #define CTL_ENV_CREDENTIALS(X)                                                                     \

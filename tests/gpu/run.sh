@@ -438,11 +438,11 @@ step_sanitizer() {
         cs_rc=$?
         if [ $cs_rc != 0 ]; then
             cs_sum=$(grep -E '(ERROR|RACECHECK) SUMMARY' "$tmp/$tool-$m.log" | tail -1 | sed 's/^=* *//')
-            cs_bad="$cs_bad $m: $(why_rc $cs_rc 900)${cs_sum:+ ($cs_sum)};"
+            cs_bad="${cs_bad:+$cs_bad; }$m: $(why_rc $cs_rc 900)${cs_sum:+ ($cs_sum)}"
             cs_log=$tmp/$tool-$m.log
         fi
     done
-    if [ -n "$cs_bad" ]; then fail "$tool" "${cs_bad# }" "$cs_log"; else pass "$tool"; fi
+    if [ -n "$cs_bad" ]; then fail "$tool" "$cs_bad" "$cs_log"; else pass "$tool"; fi
 }
 
 # ---------------------------------------------------------------- bench

@@ -28,6 +28,13 @@
  *                  after the peer died, so the runtime has (almost always)
  *                  seen the loss already and the call itself returns the
  *                  error: a peer's loss whichever way it arrives;
+ *   mixed_cpu0     rank 0 trains on the CPU (--device auto found no GPU
+ *                  on its node), ranks 1 and 2 on CUDA: rank 0 refuses the
+ *                  round and every rank fails with one line naming rank
+ *                  0's node (COMM_ERR_ARG, not a deadline);
+ *   mixed_cpu1     rank 1 on the CPU, rank 0 on CUDA: rank 1 fails at once
+ *                  naming its own node (its agent's report then ends the
+ *                  round for the CUDA ranks, which here just time out);
  *   cancel         a peer never comes to the init, and the round is declared
  *                  over (the cancel hook): the init ends COMM_ERR_ABORTED
  *                  (or, on a rank that sees rank 0's root go first, a
@@ -193,6 +200,41 @@ static int peer_rank(tc_group *g, int rank, void *arg)
     return 0;
 }
 
+/* ---- mixed_cpu0, mixed_cpu1 ---- */
+
+static int mixed_rank(tc_group *g, int rank, void *arg)
+{
+    int cpu = (int)(intptr_t)arg;
+    char node[32];
+    snprintf(node, sizeof(node), "node-%d", rank);
+    setenv("DUCTILE_NODE_ID", node, 1);
+    rdzv_etcd e = {0};
+    e.endpoints = g->etcd;
+    rdzv_store *s = NULL;
+    CHECK_OR_RETURN(rdzv_store_open(&e, g->job, g->round, &s) == RDZV_OK);
+    char why[COMM_MSG_MAX] = "";
+    /* The CUDA ranks of mixed_cpu1 only wait; their deadline is short. */
+    comm_config cfg = {.rank = rank,
+                       .world_size = g->world,
+                       .store = s,
+                       .timeout_ms = cpu == 0 || rank == cpu ? 60000 : 3000,
+                       .device = 0,
+                       .msg = why};
+    comm *c = NULL;
+    comm_err err = rank == cpu ? comm_cpu_init(&cfg, &c) : comm_nccl_init(&cfg, &c);
+    printf("  rank %d (%s): %s: %s\n", rank, rank == cpu ? "cpu" : "cuda", comm_strerror(err), why);
+    rdzv_store_close(s);
+    CHECK_OR_RETURN(!c);
+    if (cpu == 0 || rank == cpu) {
+        char named[64];
+        snprintf(named, sizeof(named), "rank %d (node node-%d) has no CUDA device", cpu, cpu);
+        CHECK_OR_RETURN(err == COMM_ERR_ARG, "rank %d: gave %s, want the round refused", rank,
+                        comm_strerror(err));
+        CHECK_OR_RETURN(strstr(why, named), "rank %d: '%s' does not say '%s'", rank, why, named);
+    }
+    return 0;
+}
+
 /* ---- cancel ---- */
 
 static int64_t cancel_at;
@@ -298,6 +340,8 @@ static const test_case cases[] = {
     {"peer_late", 3, peer_rank},
     {"local_system", 3, peer_rank},
     {"local_error", 3, peer_rank},
+    {"mixed_cpu0", 3, mixed_rank},
+    {"mixed_cpu1", 3, mixed_rank},
     {"cancel", 3, cancel_rank},
     {"deadlines", 3, deadlines_rank},
 };
@@ -335,6 +379,8 @@ int main(int argc, char **argv)
                : strcmp(argv[1], "local_error") == 0   ? LOCAL_ERROR
                                                        : PEER_PLAIN;
     void *arg = (void *)(intptr_t)mode;
+    if (strcmp(argv[1], "mixed_cpu0") == 0) arg = (void *)(intptr_t)0;
+    if (strcmp(argv[1], "mixed_cpu1") == 0) arg = (void *)(intptr_t)1;
     CHECK(tc_run(&g, tc->fn, arg, 60) == 0, "%s: a rank failed", tc->name);
     tc_group_free(&g);
     test_etcd_stop(&e);

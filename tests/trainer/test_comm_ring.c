@@ -533,7 +533,7 @@ static int rank_stray_shm(tc_group *g, int rank, void *arg)
         e.endpoints = g->etcd;
         rdzv_store *s = NULL;
         CHECK_OR_RETURN(rdzv_store_open(&e, g->job, g->round, &s) == RDZV_OK, "store");
-        rdzv_err re = rdzv_store_set(s, "host/2", "test-host-0", strlen("test-host-0"));
+        rdzv_err re = rdzv_store_set(s, "host/2", "cpu - test-host-0", strlen("cpu - test-host-0"));
         rdzv_store_close(s);
         CHECK_OR_RETURN(re == RDZV_OK, "host/2");
         return 0;
@@ -747,7 +747,7 @@ static int rank_shm_elsewhere(tc_group *g, int rank, void *arg)
     if (c) comm_free(c);
     CHECK_OR_RETURN(err == COMM_ERR_ARG, "rank %d: %s, not a refusal (%s)", rank,
                     comm_strerror(err), g->msg);
-    CHECK_OR_RETURN(strstr(g->msg, "--comm shm (rank 1) needs every rank on one host") &&
+    CHECK_OR_RETURN(strstr(g->msg, "--comm shm (rank 1, node -) needs every rank on one host") &&
                         strstr(g->msg, "2 hosts"),
                     "rank %d: message: %s", rank, g->msg);
     return 0;
