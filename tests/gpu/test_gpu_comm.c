@@ -79,7 +79,7 @@ static comm_err connect_with(tc_group *g, int rank, int timeout_ms, int (*cancel
                        .world_size = g->world,
                        .store = s,
                        .timeout_ms = timeout_ms,
-                       .device = 0,
+                       .device = rank,
                        .msg = why,
                        .cancelled = cancelled};
     comm_err err = comm_nccl_init(&cfg, out);
@@ -218,7 +218,7 @@ static int mixed_rank(tc_group *g, int rank, void *arg)
                        .world_size = g->world,
                        .store = s,
                        .timeout_ms = cpu == 0 || rank == cpu ? 60000 : 3000,
-                       .device = 0,
+                       .device = rank,
                        .msg = why};
     comm *c = NULL;
     comm_err err = rank == cpu ? comm_cpu_init(&cfg, &c) : comm_nccl_init(&cfg, &c);

@@ -1,7 +1,8 @@
 /* test_gpu_ddp_ranks.c: the GPU DDP path with several ranks, one process each.
  *
- * NCCL refuses two ranks on one GPU, so this runs on the host test runtime
- * (tests/gpurt), where every process has its own "device 0" and NCCL's
+ * It runs on the host test runtime (tests/gpurt), which shows each process
+ * several devices: rank r uses device r, as on a real node (NCCL refuses
+ * two ranks of one host on one GPU, and so does the runtime), and NCCL's
  * semantics hold across processes. World 2 and world 3, each rank a
  * process with its model on the device and an NCCL communicator built
  * through a real etcd round store:
@@ -94,7 +95,7 @@ static int rank_main(tc_group *g, int rank, void *arg)
     CHECK_OR_RETURN(m->nfloats <= MAX_FLOATS);
     model_init_params(m, rank == root ? 5 : 100 + (uint64_t)rank);
     if (rank == root) root_state(o);
-    CHECK_OR_RETURN(gpu_attach(m, 0, msg) == 0, "rank %d: attach: %s", rank, msg);
+    CHECK_OR_RETURN(gpu_attach(m, rank, msg) == 0, "rank %d: attach: %s", rank, msg);
     comm *c = tc_connect_or_exit(g, rank);
     CHECK_OR_RETURN(ddp_reducer_create(m, c, BUCKET_CAP, 1, &r) == DDP_OK);
 

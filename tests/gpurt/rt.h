@@ -93,8 +93,10 @@ struct rt_op {
     /* the runtime's own */
     rt_op *next;
     uint64_t seq;
-    int hang;  /* failpoint: never completes */
-    int fails; /* failpoint: runs, then fails the context (a sticky launch failure) */
+    int hang;   /* failpoint: never completes */
+    int fails;  /* failpoint: runs, then fails the context (a sticky launch failure) */
+    int kernel; /* a kernel launch (rt_kernels, cuBLAS): its stream and memory must be
+                 * the current device's */
 };
 
 /* Declares that op reads (write 0) or writes [p, p+bytes); at most
@@ -152,5 +154,12 @@ void rt_nccl_teardowns(int *clean, int *aborted);
 
 /* Devices this runtime shows (DUCTILE_GPURT_DEVICES). */
 int rt_device_count(void);
+
+/* The device a stream was made on (the legacy stream: the caller's current
+ * one), and the device of the cudaMalloc block holding p (-1: not device
+ * memory). Streams, events and device memory belong to the device current
+ * when they were made, as in CUDA. */
+int rt_stream_device(cudaStream_t s);
+int rt_mem_device(const void *p);
 
 #endif

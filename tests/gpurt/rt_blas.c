@@ -229,6 +229,7 @@ static cublasStatus_t gemm(const char *call, cublasHandle_t h, cublasOperation_t
     if (a.span) rt_op_access(&g->op, A, sizeof(float) * a.span, 0);
     if (b.span) rt_op_access(&g->op, B, sizeof(float) * b.span, 0);
     rt_op_access(&g->op, C, sizeof(float) * c.span, 1);
+    g->op.kernel = 1;
     cudaError_t e = rt_enqueue(h->stream, &g->op, act);
     return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
 }

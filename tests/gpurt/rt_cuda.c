@@ -52,6 +52,7 @@ typedef struct block {
     char *base;
     size_t bytes;
     rt_mem kind;
+    int device; /* device memory: the device current at cudaMalloc */
     int nrec;
     record rec[RT_MAX_RECORDS];
     struct block *next;
@@ -59,6 +60,7 @@ typedef struct block {
 
 struct CUstream_st {
     int id;
+    int device; /* current at its creation */
     unsigned flags;
     int destroyed;
     int pumping; /* rt_pump is on the stack for this stream */
@@ -71,6 +73,7 @@ struct CUstream_st {
 };
 
 struct CUevent_st {
+    int device; /* current at its creation */
     unsigned flags;
     int recorded;
     cudaStream_t stream;
@@ -188,6 +191,20 @@ static block *find_block(const void *p)
     return NULL;
 }
 
+int rt_stream_device(cudaStream_t s)
+{
+    return s && s != &legacy ? s->device : current_device;
+}
+
+int rt_mem_device(const void *p)
+{
+    rt_lock();
+    block *b = find_block(p);
+    int d = b && b->kind == RT_MEM_DEVICE ? b->device : -1;
+    rt_unlock();
+    return d;
+}
+
 static const char *kind_name(rt_mem k)
 {
     return k == RT_MEM_DEVICE   ? "device memory (cudaMalloc)"
@@ -237,6 +254,7 @@ static cudaError_t alloc_block(void **p, size_t bytes, rt_mem kind, const char *
     b->base = mem;
     b->bytes = size;
     b->kind = kind;
+    b->device = current_device;
     rt_lock();
     b->next = blocks;
     blocks = b;
@@ -319,12 +337,13 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
     rt_lock();
     block *b = find_block(p);
     rt_mem k = b ? b->kind : RT_MEM_UNKNOWN;
+    int bdev = b ? b->device : -1;
     rt_unlock();
     memset(a, 0, sizeof(*a));
     a->type = k == RT_MEM_DEVICE   ? cudaMemoryTypeDevice
               : k == RT_MEM_PINNED ? cudaMemoryTypeHost
                                    : cudaMemoryTypeUnregistered;
-    a->device = k == RT_MEM_UNKNOWN ? -2 : current_device;
+    a->device = k == RT_MEM_DEVICE ? bdev : k == RT_MEM_UNKNOWN ? -2 : current_device;
     a->devicePointer = k == RT_MEM_DEVICE ? (void *)p : NULL;
     a->hostPointer = k != RT_MEM_DEVICE ? (void *)p : NULL;
     return cudaSuccess;
@@ -489,11 +508,37 @@ static void check_held(cudaStream_t st, const char *name)
            name, st->id, st->held_by);
 }
 
+/* Under mu: a kernel runs on its stream's device, which must be the
+ * caller's current one (CUDA: the launch fails), and touches only that
+ * device's memory (without peer access, an illegal address). */
+static cudaError_t check_device(cudaStream_t st, const rt_op *op)
+{
+    if (!op->kernel || launcher) return cudaSuccess;
+    int dev = st == &legacy ? current_device : st->device;
+    if (dev != current_device) return cudaErrorInvalidResourceHandle;
+    for (int i = 0; i < op->naccess; i++) {
+        block *b = find_block(op->access[i].p);
+        if (b && b->kind == RT_MEM_DEVICE && b->device != dev) {
+            rt_unlock();
+            rt_die("%s on device %d touches device %d's memory %p (no peer access: an illegal "
+                   "address on a GPU)",
+                   op->name, dev, b->device, op->access[i].p);
+        }
+    }
+    return cudaSuccess;
+}
+
 cudaError_t rt_enqueue(cudaStream_t s, rt_op *op, const char *action)
 {
     cudaStream_t st = s ? s : &legacy;
     rt_lock();
     check_held(st, op->name);
+    cudaError_t de = check_device(st, op);
+    if (de != cudaSuccess) {
+        rt_unlock();
+        drop_op(op);
+        return ret(de);
+    }
     if (sticky) {
         cudaError_t e = sticky;
         rt_unlock();
@@ -580,6 +625,7 @@ static cudaError_t stream_create(cudaStream_t *out, unsigned flags, const char *
     memset(s, 0, sizeof(*s));
     s->next_all = keep;
     s->id = id;
+    s->device = current_device;
     s->flags = flags;
     s->vc = host_vc;
     id_used[id] = 1;
@@ -677,6 +723,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
     *e = calloc(1, sizeof(**e));
     if (!*e) return ret(cudaErrorMemoryAllocation);
     (*e)->flags = flags;
+    (*e)->device = current_device;
     return cudaSuccess;
 }
 
@@ -700,6 +747,8 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
     if (sticky) return ret(sticky);
     if (is_action(a, "error")) return ret(cudaErrorLaunchFailure);
     cudaStream_t st = s ? s : &legacy;
+    /* An event records only on a stream of its own device. */
+    if (st != &legacy && st->device != e->device) return ret(cudaErrorInvalidResourceHandle);
     rt_lock();
     check_held(st, "cudaEventRecord");
     vc_join(&st->vc, &host_vc);

@@ -57,6 +57,7 @@ static void arg(rt_op *op, const char *name, const void *p, size_t bytes, int wr
 
 static int launch(kern_stream s, rt_op *op, const char *action)
 {
+    op->kernel = 1;
     return (int)rt_enqueue(s, op, action);
 }
 

@@ -278,6 +278,9 @@ typedef struct nc_hello {
     uint64_t nonce;
     uint16_t port;
     uint16_t pad[3];
+    uint64_t host;  /* nc_host_hash() */
+    int32_t device; /* the comm's CUDA device */
+    int32_t pad2;
 } nc_hello;
 
 /* The root's answer: status, then (on success) nranks nc_where. */
@@ -292,6 +295,9 @@ typedef struct nc_where {
     uint32_t addr;
     uint16_t port;
     uint16_t pad;
+    uint64_t host;  /* which host, and which device there: two ranks on one */
+    int32_t device; /* GPU are refused, as NCCL does */
+    int32_t pad2;
 } nc_where;
 
 static const char *nc_why_text(int why)
@@ -359,7 +365,8 @@ static void nc_root_take(nc_root *rt, int fd)
     if (h.nranks != rt->nranks) return nc_root_refuse(fd, NC_WHY_NRANKS);
     if (rt->conn[h.rank] >= 0) return nc_root_refuse(fd, NC_WHY_DUP);
     rt->conn[h.rank] = fd;
-    rt->where[h.rank] = (nc_where){.addr = h.addr, .port = h.port};
+    rt->where[h.rank] =
+        (nc_where){.addr = h.addr, .port = h.port, .host = h.host, .device = h.device};
     rt->joined++;
 }
 
@@ -506,6 +513,8 @@ typedef struct nc_shared {
     uint32_t addr;           /* where this rank listens */
     ncclResult_t peer_error; /* what a lost peer gives */
     int idle;                /* an init failpoint: the thread only waits for abort */
+    uint64_t host;           /* nc_host_hash() */
+    int device;              /* the comm's CUDA device */
     int fin_hang;            /* a finalize failpoint: it never ends */
     int listen_fd;           /* the comm thread's, during bootstrap */
     nc_peer *peer;           /* [nranks] */
@@ -675,8 +684,24 @@ static nc_hello nc_hello_of(const nc_shared *sh)
                   .nranks = sh->nranks,
                   .addr = sh->addr,
                   .nonce = sh->nonce,
-                  .port = sh->peer[sh->rank].where.port};
+                  .port = sh->peer[sh->rank].where.port,
+                  .host = sh->host,
+                  .device = sh->device};
     return h;
+}
+
+/* NCCL's check after it has every rank's peer info: two ranks of one
+ * communicator on the same GPU of the same host are refused. */
+static ncclResult_t nc_check_duplicate(nc_shared *sh)
+{
+    const nc_where *me = &sh->peer[sh->rank].where;
+    for (int p = 0; p < sh->nranks; p++)
+        if (p != sh->rank && sh->peer[p].where.host == me->host &&
+            sh->peer[p].where.device == me->device)
+            return nc_fail(sh, ncclInvalidUsage,
+                           "Duplicate GPU detected : rank %d and rank %d both on CUDA device %d",
+                           sh->rank, p, me->device);
+    return ncclSuccess;
 }
 
 /* Reads the root's answer and the table of addresses into sh->peer. */
@@ -703,10 +728,13 @@ static ncclResult_t nc_read_table(nc_shared *sh, int fd)
     return io == NC_IO_OK ? ncclSuccess : nc_io_fail(sh, io, "reading the address table");
 }
 
-/* Listens, registers (rank, nranks, address) with the root, gets the table. */
+/* Listens, registers (rank, nranks, address, host, device) with the root,
+ * gets the table. */
 static ncclResult_t nc_register(nc_shared *sh)
 {
     sh->peer[sh->rank].where.addr = sh->addr;
+    sh->peer[sh->rank].where.host = sh->host;
+    sh->peer[sh->rank].where.device = sh->device;
     sh->listen_fd = nc_listen(sh->addr, &sh->peer[sh->rank].where.port);
     if (sh->listen_fd < 0) return nc_fail(sh, ncclSystemError, "listen: %s", strerror(errno));
     int fd;
@@ -789,6 +817,7 @@ static ncclResult_t nc_mesh_accept(nc_shared *sh)
 static ncclResult_t nc_bootstrap(nc_shared *sh)
 {
     ncclResult_t r = nc_register(sh);
+    if (r == ncclSuccess) r = nc_check_duplicate(sh);
     for (int j = 0; r == ncclSuccess && j < sh->rank; j++)
         r = nc_mesh_dial(sh, j);
     if (r == ncclSuccess) r = nc_mesh_accept(sh);
@@ -1731,6 +1760,11 @@ static ncclResult_t nc_check_buffers(const char *name, ncclComm_t comm, const nc
                             send && !w->send ? "sendbuff" : "recvbuff");
     rt_need(name, "sendbuff", w->send, send, RT_NEED_DEVICE);
     rt_need(name, "recvbuff", w->recv, recv, RT_NEED_DEVICE);
+    int sd = send ? rt_mem_device(w->send) : comm->device, rd = recv ? rt_mem_device(w->recv) : sd;
+    if (sd != comm->device || rd != comm->device)
+        rt_die("%s: a buffer is device %d's memory, the communicator device %d's (an illegal "
+               "address on a GPU)",
+               name, sd != comm->device ? sd : rd, comm->device);
     return ncclSuccess;
 }
 
@@ -1756,6 +1790,11 @@ static ncclResult_t nc_submit(const char *name, const char *action, ncclComm_t c
         r = nc_fail_here(ncclSystemError, "%s: failpoint error", name);
     if (r == ncclSuccess) r = nc_check_args(name, comm, &w);
     if (r == ncclSuccess) r = nc_check_buffers(name, comm, &w);
+    if (r == ncclSuccess && rt_stream_device(s) != comm->device)
+        r = nc_fail_here(ncclUnhandledCudaError,
+                         "%s: the stream is device %d's, the communicator device %d's (the "
+                         "kernel launch fails)",
+                         name, rt_stream_device(s), comm->device);
     if (r != ncclSuccess || w.count == 0) return r;
     nc_shared *sh = comm->sh;
     w.sh = sh;
@@ -1865,9 +1904,30 @@ static ncclResult_t nc_init_check(const char *name, int nranks, const ncclUnique
     return ncclSuccess;
 }
 
-/* Makes the comm and starts its thread. */
+/* Which host this process stands for, as NCCL's host hash: NCCL_HOSTID
+ * when set (NCCL reads it too), else the host name and the parent's pid,
+ * so the workers of one agent share a host and each agent is a host of its
+ * own (on a real cluster, each agent is its own pod). FNV-1a. */
+static uint64_t nc_host_hash(void)
+{
+    char name[320] = "";
+    const char *id = getenv("NCCL_HOSTID");
+    if (id && *id) {
+        snprintf(name, sizeof(name), "%s", id);
+    } else {
+        char host[256] = "";
+        gethostname(host, sizeof(host) - 1);
+        snprintf(name, sizeof(name), "%s/%ld", host, (long)getppid());
+    }
+    uint64_t h = 1469598103934665603ull;
+    for (const char *p = name; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    return h;
+}
+
+/* Makes the comm (on `device`) and starts its thread. */
 static ncclResult_t nc_comm_new(const char *name, const char *action, int nranks, int rank,
-                                const nc_id *id, ncclComm_t *out)
+                                int device, const nc_id *id, ncclComm_t *out)
 {
     nc_shared *sh = nc_shared_new(rank, nranks, id);
     ncclComm_t c = sh ? calloc(1, sizeof(*c)) : NULL;
@@ -1877,6 +1937,9 @@ static ncclResult_t nc_comm_new(const char *name, const char *action, int nranks
         goto err;
     }
     c->sh = sh;
+    c->device = device;
+    sh->device = device;
+    sh->host = nc_host_hash();
     const char *lost = getenv("DUCTILE_GPURT_PEER_ERROR");
     sh->peer_error = lost && strcmp(lost, "system") == 0 ? ncclSystemError : ncclRemoteError;
     if (nc_env_addr(&sh->addr) != 0) {
@@ -1932,9 +1995,8 @@ static ncclResult_t nc_init(const char *name, ncclComm_t *out, int nranks, ncclU
         return nc_fail_here(ncclUnhandledCudaError, "%s: cudaGetDevice: %s", name,
                             cudaGetErrorString(ce));
     ncclComm_t c;
-    r = nc_comm_new(name, action, nranks, rank, &id, &c);
+    r = nc_comm_new(name, action, nranks, rank, device, &id, &c);
     if (r != ncclSuccess) return r;
-    c->device = device;
     c->blocking = !cfg || cfg->blocking != 0; /* NCCL_CONFIG_UNDEF_INT: blocking */
     *out = c;
     /* An async failpoint: the call succeeds, the comm has failed. */

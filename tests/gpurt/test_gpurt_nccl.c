@@ -177,6 +177,12 @@ static void child_main(const world_spec *sp, world_pipes *p, int r)
         setenv("DUCTILE_FAILPOINTS", sp->failpoints[r], 1);
     else
         unsetenv("DUCTILE_FAILPOINTS");
+    /* A GPU of its own, as on a real node: NCCL refuses two ranks of one
+     * host on one device (these processes share a parent: one host). */
+    if (cudaSetDevice(r) != cudaSuccess) {
+        fprintf(stderr, "rank %d: cudaSetDevice(%d) failed: DUCTILE_GPURT_DEVICES too small\n", r, r);
+        _exit(1);
+    }
     if (sp->peer_error) setenv("DUCTILE_GPURT_PEER_ERROR", sp->peer_error, 1);
     rank_ctx c = {.rank = r, .nranks = sp->n, .note_fd = p->note[r][1], .go_fd = p->go[r][0]};
     if (r == 0) {
@@ -726,7 +732,7 @@ static int rank_collectives(rank_ctx *c)
     int count = 0, rank = -1, device = -1;
     CHECK(ncclCommCount(comm, &count) == ncclSuccess && count == c->nranks);
     CHECK(ncclCommUserRank(comm, &rank) == ncclSuccess && rank == c->rank);
-    CHECK(ncclCommCuDevice(comm, &device) == ncclSuccess && device == 0);
+    CHECK(ncclCommCuDevice(comm, &device) == ncclSuccess && device == c->rank);
     allgather(c, comm, s);
     broadcast_from_1(c, comm, s);
     reduce_scatter(c, comm, s);

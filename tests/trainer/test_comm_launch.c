@@ -83,6 +83,7 @@ comm_err tc_connect(tc_group *g, int rank, comm **out)
     cfg.timeout_ms = g->timeout_ms;
     cfg.chunk_bytes = g->chunk_bytes;
     cfg.host = "127.0.0.1";
+    cfg.device = rank; /* NCCL: a GPU each, as on a real node (two ranks on one are refused) */
     if (!g->etcd) {
         int w = g->world;
         int left = w > 1 ? g->pairs[(rank + w - 1) % w][1] : -1;
