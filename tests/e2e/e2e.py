@@ -584,6 +584,40 @@ def sc_local_nccl_repeat(env, mode, ref):
         job.cleanup()
 
 
+def sc_local_ranks(env, mode, ref):
+    # Two workers a node, two GPUs a node: each local rank on its own device
+    # (LOCAL_RANK), as on a real node; then a node lost and one joining.
+    job = env.job("local-ranks-" + mode, mode, max_restarts=0,
+                  agent_args=["--nproc-per-node", "2"],
+                  agent_env={"DUCTILE_GPURT_DEVICES": "2"})
+    try:
+        job.start()
+        job.start()
+        job.wait_step(10)
+        log("SIGKILL agent n2; n3 joins")
+        job.agents["n2"].kill_tree()
+        job.start()
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
+def sc_visible_one(env, mode, ref):
+    # Each worker sees one GPU (CUDA_VISIBLE_DEVICES set per process, as a
+    # device plugin or a launcher does): it uses device 0, whatever its
+    # LOCAL_RANK, and the two are different GPUs, which NCCL accepts.
+    pin = ["sh", "-c", 'export CUDA_VISIBLE_DEVICES="$LOCAL_RANK"; exec "$@"', "pin"]
+    job = env.job("visible-one-" + mode, mode, max_restarts=0,
+                  agent_args=["--nproc-per-node", "2"],
+                  agent_env={"DUCTILE_GPURT_DEVICES": "2"})
+    try:
+        job.start(worker_prefix=pin)
+        job.start(worker_prefix=pin)
+        verify(job, ref)
+    finally:
+        job.cleanup()
+
+
 def sc_gpu_vs_cpu(env, mode, ref):
     # The same job, calm, on the GPU path and on the CPU: the final accuracy
     # agrees within GPU_CPU_TOL (the GPU's sums are not the CPU's bit for bit).
@@ -771,13 +805,17 @@ SCENARIOS = collections.OrderedDict([
     ("local_nccl", (sc_local_nccl, ("inplace",))),
     ("local_nccl_repeat", (sc_local_nccl_repeat, ("inplace",))),
     ("gpu_vs_cpu", (sc_gpu_vs_cpu, ("inplace",))),
+    ("local_ranks", (sc_local_ranks, ("inplace",))),
+    ("visible_one", (sc_visible_one, ("inplace",))),
 ])
 CHAOS = collections.OrderedDict([("chaos", (sc_chaos, ("inplace", "restart")))])
 CHAOS_EPOCHS = 40
 GPU_CORE = ["agent_kill:inplace", "agent_kill:restart", "scale_up:inplace", "scale_up:restart",
             "hot_spare:inplace", "hot_spare:restart", "sticky_error:inplace", "local_nccl:inplace",
-            "local_nccl_repeat:inplace", "gpu_vs_cpu:inplace"]
-GPU_ONLY = ("sticky_error", "local_nccl", "local_nccl_repeat", "gpu_vs_cpu")
+            "local_nccl_repeat:inplace", "gpu_vs_cpu:inplace", "local_ranks:inplace",
+            "visible_one:inplace"]
+GPU_ONLY = ("sticky_error", "local_nccl", "local_nccl_repeat", "gpu_vs_cpu", "local_ranks",
+            "visible_one")
 CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scale_up:inplace",
         "scale_up:restart", "etcd_pause:inplace", "hung_worker:inplace"]
 CORE_CONTENDED = ["worker_kill:inplace", "agent_kill:restart", "scale_up:inplace",

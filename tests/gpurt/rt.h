@@ -21,7 +21,8 @@
  *    kernels and cuBLAS take only cudaMalloc memory, never mapped pinned.
  *
  * Devices: DUCTILE_GPURT_DEVICES=N (default 0: "no CUDA device", so a CPU
- * test built with this runtime still picks the CPU).
+ * test built with this runtime still picks the CPU), of which a process
+ * sees those CUDA_VISIBLE_DEVICES names, as with CUDA.
  *
  * Failpoints (DUCTILE_FAILPOINTS, ductile/failpoint.h), counted per process:
  *   gpurt.cuda       every CUDA runtime call, kernel launch and cuBLAS call;
@@ -152,8 +153,13 @@ void rt_wait_stream(cudaStream_t s);
  * healthy communicator is finalized, not torn down. */
 void rt_nccl_teardowns(int *clean, int *aborted);
 
-/* Devices this runtime shows (DUCTILE_GPURT_DEVICES). */
+/* Devices this process sees: DUCTILE_GPURT_DEVICES, or those of them that
+ * CUDA_VISIBLE_DEVICES lists, renumbered from 0 as CUDA does. */
 int rt_device_count(void);
+/* The machine's GPU behind this process's device ordinal (its bus id): -1
+ * when there is none. Two ranks of one host on one physical GPU are what
+ * NCCL refuses. */
+int rt_device_physical(int device);
 
 /* The device a stream was made on (the legacy stream: the caller's current
  * one), and the device of the cudaMalloc block holding p (-1: not device

@@ -167,18 +167,49 @@ static int is_action(const char *a, const char *want)
 
 /* ---- devices ---- */
 
+/* The machine has DUCTILE_GPURT_DEVICES GPUs; this process sees those
+ * CUDA_VISIBLE_DEVICES lists, renumbered from 0, as CUDA does (an entry
+ * that is not a device there ends the list, as CUDA's parsing does). */
+static int visible[64], nvisible = -1;
+static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
+
+static void devices_load(void)
+{
+    const char *v = getenv("DUCTILE_GPURT_DEVICES");
+    long x = 0;
+    if (v && *v) {
+        char *end;
+        errno = 0;
+        x = strtol(v, &end, 10);
+        if (errno || *end || x < 0 || x > 64)
+            rt_die("DUCTILE_GPURT_DEVICES='%s' is not a device count in 0..64", v);
+    }
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    nvisible = 0;
+    if (!cvd) {
+        for (int i = 0; i < x; i++)
+            visible[nvisible++] = i;
+        return;
+    }
+    for (const char *p = cvd; *p && nvisible < 64;) {
+        char *end;
+        long d = strtol(p, &end, 10);
+        if (end == p || d < 0 || d >= x) break;
+        visible[nvisible++] = (int)d;
+        p = *end == ',' ? end + 1 : end;
+        if (*end != ',') break;
+    }
+}
+
 int rt_device_count(void)
 {
-    static int n = -1;
-    if (n >= 0) return n;
-    const char *v = getenv("DUCTILE_GPURT_DEVICES");
-    if (!v || !*v) return n = 0;
-    char *end;
-    errno = 0;
-    long x = strtol(v, &end, 10);
-    if (errno || *end || x < 0 || x > 64)
-        rt_die("DUCTILE_GPURT_DEVICES='%s' is not a device count in 0..64", v);
-    return n = (int)x;
+    pthread_once(&devices_once, devices_load);
+    return nvisible;
+}
+
+int rt_device_physical(int device)
+{
+    return device >= 0 && device < rt_device_count() ? visible[device] : -1;
 }
 
 /* ---- memory ---- */
@@ -984,11 +1015,11 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int device)
 {
     if (!p || device < 0 || device >= rt_device_count()) return ret(cudaErrorInvalidDevice);
     memset(p, 0, sizeof(*p));
-    snprintf(p->name, sizeof(p->name), "ductile host test runtime %d", device);
+    snprintf(p->name, sizeof(p->name), "ductile host test runtime %d", rt_device_physical(device));
     p->totalGlobalMem = (size_t)1 << 30;
     p->multiProcessorCount = 1;
     p->major = 9;
-    p->pciBusID = device;
+    p->pciBusID = rt_device_physical(device);
     return cudaSuccess;
 }
 

@@ -699,7 +699,7 @@ static ncclResult_t nc_check_duplicate(nc_shared *sh)
         if (p != sh->rank && sh->peer[p].where.host == me->host &&
             sh->peer[p].where.device == me->device)
             return nc_fail(sh, ncclInvalidUsage,
-                           "Duplicate GPU detected : rank %d and rank %d both on CUDA device %d",
+                           "Duplicate GPU detected : rank %d and rank %d both on CUDA device %x",
                            sh->rank, p, me->device);
     return ncclSuccess;
 }
@@ -1938,7 +1938,7 @@ static ncclResult_t nc_comm_new(const char *name, const char *action, int nranks
     }
     c->sh = sh;
     c->device = device;
-    sh->device = device;
+    sh->device = rt_device_physical(device); /* its bus id: what NCCL compares */
     sh->host = nc_host_hash();
     const char *lost = getenv("DUCTILE_GPURT_PEER_ERROR");
     sh->peer_error = lost && strcmp(lost, "system") == 0 ? ncclSystemError : ncclRemoteError;

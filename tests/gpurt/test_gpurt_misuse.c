@@ -20,6 +20,9 @@
  *                  right after its ncclAllReduce answered ncclInProgress
  *                  (twin: the comm polled to ncclSuccess first); a second
  *                  call before that is refused with ncclInvalidArgument.
+ *   other_device   a kernel on device 0 writes device 1's memory (twin: its
+ *                  own device's; and a launch on device 1's stream while
+ *                  device 0 is current fails with cudaErrorInvalidResourceHandle).
  * Two cases hold no death: stale (a host read of a cudaMemcpyAsync
  * destination before cudaStreamSynchronize sees the old value, after it the
  * new one: the lazy queue's semantics) and gemm_invalid (sizes and leading
@@ -320,6 +323,42 @@ static void test_free_queued(void)
     expect_clean(free_queued_good, "cudaFree after the stream's work is done");
 }
 
+/* ---- devices own their streams and memory ---- */
+
+static void other_device(int wrong)
+{
+    CHECK_OR_EXIT(cudaSetDevice(1) == cudaSuccess, "cudaSetDevice(1)");
+    float *d1 = dev_floats(N);
+    cudaStream_t s1 = new_stream();
+    CHECK_OR_EXIT(cudaSetDevice(0) == cudaSuccess, "cudaSetDevice(0)");
+    float *d0 = dev_floats(N);
+    cudaStream_t s0 = new_stream();
+    CHECK(kern_fill(d1, N, 1.0f, s1) == (int)cudaErrorInvalidResourceHandle,
+          "a launch on device 1's stream under device 0 was taken");
+    CHECK_OR_EXIT(kern_fill(wrong ? d1 : d0, N, 1.0f, s0) == 0, "kern_fill");
+    CHECK_OR_EXIT(cudaStreamSynchronize(s0) == cudaSuccess, "sync");
+    cudaFree(d0);
+    cudaFree(d1);
+    cudaStreamDestroy(s0);
+    cudaStreamDestroy(s1);
+}
+
+static void other_device_bad(void)
+{
+    other_device(1);
+}
+
+static void other_device_good(void)
+{
+    other_device(0);
+}
+
+static void test_other_device(void)
+{
+    expect_death(other_device_bad, "kern_fill", "device 1's memory");
+    expect_clean(other_device_good, "a kernel on its own device's memory");
+}
+
 /* ---- CUDA work on a non-blocking comm's stream before it settled ---- */
 
 static void unsettled(int settle)
@@ -441,13 +480,14 @@ static void test_gemm_invalid(void)
 
 int main(int argc, char **argv)
 {
-    setenv("DUCTILE_GPURT_DEVICES", "1", 0); /* cuBLAS needs a device; ctest sets it too */
+    setenv("DUCTILE_GPURT_DEVICES", "2", 0); /* cuBLAS needs a device, other_device two */
     unsetenv("DUCTILE_FAILPOINTS");
     static const th_case cases[] = {
         {"host_pointer", test_host_pointer}, {"pinned_gemm", test_pinned_gemm},
         {"past_end", test_past_end},         {"race", test_race},
         {"free_queued", test_free_queued},   {"stale", test_stale},
         {"gemm_invalid", test_gemm_invalid}, {"unsettled", test_unsettled},
+        {"other_device", test_other_device},
     };
     th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_gpurt_misuse");

@@ -17,6 +17,9 @@
  *   collectives   allgather and reduce-scatter (also in place), broadcast
  *                 from root 1, a send/recv ring in a group (with a send to
  *                 itself), a send that completes before its recv is posted
+ *   duplicate_gpu two ranks of one host (one parent process) on device 0:
+ *                 the init fails with ncclInvalidUsage, "Duplicate GPU
+ *                 detected", on both, as NCCL's does;
  *   nonblocking   init returns ncclInProgress and stays so while a peer is
  *                 missing; finalize returns ncclInProgress, then ncclSuccess
  *                 with the queued allreduce done
@@ -760,6 +763,33 @@ static void test_collectives(void)
         CHECK(exited(w.status[r], 0), "rank %d: %s", r, how(w.status[r]));
 }
 
+/* ---- two ranks on one GPU ---- */
+
+static int rank_duplicate_gpu(rank_ctx *c)
+{
+    CHECK_OR_RETURN(cudaSetDevice(0) == cudaSuccess);
+    ncclComm_t comm = NULL;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    CHECK_OR_RETURN(ncclCommInitRankConfig(&comm, 2, c->id, c->rank, &cfg) == ncclInProgress);
+    ncclResult_t st = settle(comm, WAIT_MS);
+    CHECK(st == ncclInvalidUsage, "rank %d: two ranks on one GPU gave %s", c->rank,
+          ncclGetErrorString(st));
+    CHECK(strstr(ncclGetLastError(comm), "Duplicate GPU detected"), "%s", ncclGetLastError(comm));
+    ncclCommAbort(comm);
+    return 0;
+}
+
+static void test_duplicate_gpu(void)
+{
+    world_spec sp = {.n = 2, .fn = rank_duplicate_gpu};
+    world w;
+    CHECK(world_start(&w, &sp) == 0);
+    world_finish(&w);
+    for (int r = 0; r < 2; r++)
+        CHECK(exited(w.status[r], 0), "rank %d: %s", r, how(w.status[r]));
+}
+
 /* ---- non-blocking init and finalize ---- */
 
 static int rank_nonblocking(rank_ctx *c)
@@ -1300,6 +1330,7 @@ int main(int argc, char **argv)
         {"allreduce2", test_allreduce2},
         {"allreduce3", test_allreduce3},
         {"collectives", test_collectives},
+        {"duplicate_gpu", test_duplicate_gpu},
         {"nonblocking", test_nonblocking},
         {"killed", test_killed},
         {"killed_system", test_killed_system},
