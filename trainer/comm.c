@@ -141,6 +141,24 @@ comm_err comm_allreduce_sum_f32_after(comm *c, float *buf, size_t n, void *event
     return comm_leave(c, c->ops->allreduce_sum_f32(c, buf, n));
 }
 
+comm_err comm_allreduce_sum_f32_start(comm *c, float *buf, size_t n, void *event)
+{
+    if (!c || !c->ops->allreduce_start) return comm_allreduce_sum_f32_after(c, buf, n, event);
+    if ((!buf && n > 0) || (event && !c->ops->wait_event)) return COMM_ERR_ARG;
+    comm_err err = comm_enter(c);
+    if (err != COMM_OK || n == 0) return err;
+    if (event && (err = comm_leave(c, c->ops->wait_event(c, event))) != COMM_OK) return err;
+    return comm_leave(c, c->ops->allreduce_start(c, buf, n));
+}
+
+comm_err comm_wait(comm *c)
+{
+    if (!c) return COMM_ERR_ARG;
+    comm_err err = comm_enter(c);
+    if (err != COMM_OK || !c->ops->wait) return err;
+    return comm_leave(c, c->ops->wait(c));
+}
+
 comm_err comm_broadcast(comm *c, void *buf, size_t bytes, int root)
 {
     if (!c || (!buf && bytes > 0) || root < 0 || root >= c->world_size) return COMM_ERR_ARG;

@@ -23,6 +23,11 @@ typedef struct comm_ops {
      * device streams (the ring), where comm_allreduce_sum_f32_after with an
      * event is an invalid argument. */
     comm_err (*wait_event)(comm *c, void *event);
+    /* An all-reduce queued, not waited for, and the wait for all of them
+     * (comm_allreduce_sum_f32_start, comm_wait); NULL: the backend's
+     * all-reduce completes at once, and there is nothing to wait for. */
+    comm_err (*allreduce_start)(comm *c, float *buf, size_t n);
+    comm_err (*wait)(comm *c);
     /* Called from any thread after the abort flag is set: wake calls in flight. */
     void (*abort)(comm *c);
     /* Releases the backend's resources and the allocation itself. */

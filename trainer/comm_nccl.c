@@ -32,9 +32,13 @@
  * forever), an invalid argument or usage, a CUDA error. A timeout or an
  * abort stays a peer's (comm_err_is_peer).
  *
+ * Buckets pipeline: comm_allreduce_sum_f32_start queues each bucket's
+ * event wait and all-reduce behind the last (waiting only until NCCL has
+ * queued it), and comm_wait polls the stream once for all of them.
+ *
  * Knowingly simple: the deadline covers a whole collective, not "no
- * progress" as on the ring (NCCL does not report progress); polling sleeps
- * 50 us between checks, which costs a core's sliver while waiting.
+ * progress" as on the ring (NCCL does not report progress); polling yields
+ * the core for its first 200 checks, then sleeps 50 us between checks.
  */
 #include "comm_impl.h"
 #include "ductile/clock.h"
@@ -42,6 +46,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,8 +68,16 @@ typedef struct nccl_comm {
     int broken; /* aborted or failed: destroy must abort, not finalize */
 } nccl_comm;
 
-static void pause_briefly(void)
+/* Between two polls: the first NCCL_SPINS yield the core (a launch or a
+ * short collective is over in microseconds, and a sleep costs 50-100 us of
+ * timer slack), the rest sleep, so a long wait costs a sliver of a core. */
+#define NCCL_SPINS 200
+static void pause_briefly(int *polls)
 {
+    if ((*polls)++ < NCCL_SPINS) {
+        sched_yield();
+        return;
+    }
     struct timespec ts = {0, NCCL_POLL_NS};
     nanosleep(&ts, NULL);
 }
@@ -126,14 +139,14 @@ static comm_err nccl_poll(nccl_comm *g, const char *what, int *settled)
 static comm_err nccl_settle(nccl_comm *g, const char *what, int64_t deadline,
                             const comm_config *cfg)
 {
-    for (;;) {
+    for (int polls = 0;;) {
         int settled;
         comm_err err = nccl_poll(g, what, &settled);
         if (err != COMM_OK || settled) return err;
         if (comm_is_aborted(&g->base) || (cfg && cfg->cancelled && cfg->cancelled(cfg->cancel_ctx)))
             return nccl_fail(g, COMM_ERR_ABORTED, what, ncclInProgress);
         if (mono_now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclInProgress);
-        pause_briefly();
+        pause_briefly(&polls);
     }
 }
 
@@ -156,7 +169,7 @@ static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
     if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(g, nccl_kind(r), what, r);
     comm_err err = nccl_settle(g, what, deadline, NULL);
     if (err != COMM_OK) return err;
-    for (;;) {
+    for (int polls = 0;;) {
         cudaError_t e = cudaStreamQuery(g->stream);
         if (e == cudaSuccess) return COMM_OK;
         if (e != cudaErrorNotReady) return cuda_fail(g, what, e);
@@ -165,7 +178,7 @@ static comm_err nccl_finish(nccl_comm *g, const char *what, ncclResult_t r)
         if (err != COMM_OK) return err;
         if (comm_is_aborted(&g->base)) return nccl_fail(g, COMM_ERR_ABORTED, what, ncclSuccess);
         if (mono_now_ms() >= deadline) return nccl_fail(g, COMM_ERR_TIMEOUT, what, ncclSuccess);
-        pause_briefly();
+        pause_briefly(&polls);
     }
 }
 
@@ -310,6 +323,30 @@ static comm_err nccl_wait_event(comm *c, void *event)
     return COMM_OK;
 }
 
+/* A bucket's all-reduce, queued behind the ones before it on the comm's
+ * stream: the call, then only the wait until NCCL has queued it (so the
+ * next bucket's event wait may follow), not for its result. */
+static comm_err nccl_allreduce_start(comm *c, float *buf, size_t n)
+{
+    nccl_comm *g = (nccl_comm *)c;
+    comm_err err = nccl_enter(g);
+    if (err != COMM_OK) return err;
+    if (!on_device(buf))
+        return comm_fail(c, COMM_ERR_ARG, "rank %d: a started all-reduce takes device memory",
+                         c->rank);
+    ncclResult_t r = ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, g->nc, g->stream);
+    return nccl_queued(g, "ncclAllReduce", r, mono_now_ms() + g->timeout_ms);
+}
+
+/* Every started all-reduce done: the stream, polled (see nccl_finish). */
+static comm_err nccl_wait(comm *c)
+{
+    nccl_comm *g = (nccl_comm *)c;
+    comm_err err = nccl_enter(g);
+    if (err != COMM_OK) return err;
+    return nccl_finish(g, "ncclAllReduce (the step's buckets)", ncclSuccess);
+}
+
 /* The flag is already set (comm.c); the polling thread does the aborting. */
 static void nccl_abort(comm *c)
 {
@@ -332,9 +369,10 @@ static void nccl_destroy(comm *c)
         if (clean) {
             int64_t deadline = mono_now_ms() + g->timeout_ms;
             ncclResult_t st = ncclInProgress;
+            int polls = 0;
             while (ncclCommGetAsyncError(g->nc, &st) == ncclSuccess && st == ncclInProgress &&
                    mono_now_ms() < deadline)
-                pause_briefly();
+                pause_briefly(&polls);
             clean = st == ncclSuccess;
         }
         if (clean)
@@ -350,10 +388,16 @@ static void nccl_destroy(comm *c)
     free(g);
 }
 
-static const comm_ops nccl_ops = {
-    "nccl",       nccl_allreduce,  nccl_broadcast, nccl_allgather,
-    nccl_barrier, nccl_wait_event, nccl_abort,     nccl_destroy,
-};
+static const comm_ops nccl_ops = {.name = "nccl",
+                                  .allreduce_sum_f32 = nccl_allreduce,
+                                  .broadcast = nccl_broadcast,
+                                  .allgather = nccl_allgather,
+                                  .barrier = nccl_barrier,
+                                  .wait_event = nccl_wait_event,
+                                  .allreduce_start = nccl_allreduce_start,
+                                  .wait = nccl_wait,
+                                  .abort = nccl_abort,
+                                  .destroy = nccl_destroy};
 
 static void hex_encode(const unsigned char *in, size_t n, char *out)
 {

@@ -558,10 +558,13 @@ void ring_destroy(comm *c)
     free(g);
 }
 
-static const comm_ops ring_ops = {
-    "ring", ring_allreduce, ring_broadcast, ring_allgather, ring_barrier, NULL, ring_abort,
-    ring_destroy,
-};
+static const comm_ops ring_ops = {.name = "ring",
+                                  .allreduce_sum_f32 = ring_allreduce,
+                                  .broadcast = ring_broadcast,
+                                  .allgather = ring_allgather,
+                                  .barrier = ring_barrier,
+                                  .abort = ring_abort,
+                                  .destroy = ring_destroy};
 
 /* ---- construction ---- */
 

@@ -12,7 +12,10 @@
  * device memory: marking a bucket ready records a CUDA event after the
  * kernels that wrote it, and the bucket's NCCL all-reduce waits for that
  * event on the NCCL stream, while the compute stream runs the rest of
- * backward. Host buffers (the state sync) go to the communicator as they
+ * backward. The thread queues each bucket behind the last without waiting
+ * for it (comm_allreduce_sum_f32_start), so buckets pipeline on NCCL's
+ * stream as PyTorch's Reducer's do, and waits once, after the last; the
+ * stop flag then comes back in the step's one host sync (ddp_finish). Host buffers (the state sync) go to the communicator as they
  * are, whichever backend: NCCL stages host memory itself.
  */
 #include "ductile/ddp.h"
@@ -133,11 +136,18 @@ static void *comm_thread(void *arg)
         if (r->shutdown) break;
         ddp_bucket *b = &r->buckets[r->next];
         comm_err e = r->cerr;
-        /* On a device the collective's stream waits for the bucket's event. */
+        /* On a device the collective's stream waits for the bucket's event,
+         * and the buckets pipeline there: each is queued behind the last,
+         * and only the step's last one is waited for. */
         void *ready = r->m->dev ? gpu_mark_event(r->m, r->next) : NULL;
+        int last = r->next == r->nbuckets - 1;
         pthread_mutex_unlock(&r->mu);
-        if (e == COMM_OK)
-            e = comm_allreduce_sum_f32_after(r->comm, r->grads + b->offset, b->numel, ready);
+        if (e == COMM_OK && ready) {
+            e = comm_allreduce_sum_f32_start(r->comm, r->grads + b->offset, b->numel, ready);
+            if (e == COMM_OK && last) e = comm_wait(r->comm);
+        } else if (e == COMM_OK) {
+            e = comm_allreduce_sum_f32(r->comm, r->grads + b->offset, b->numel);
+        }
         if (e == COMM_OK && !r->m->dev && r->world > 1) average_bucket(r, b);
         pthread_mutex_lock(&r->mu);
         if (e != COMM_OK && r->cerr == COMM_OK) {

@@ -61,7 +61,18 @@ int gpu_poisoned(model *m, char *msg);
 
 /* The model.h and optim.h operations on the device. */
 const float *gpu_forward(model *m, int batch);
-double gpu_loss(model *m, int batch);
+double gpu_loss(model *m, int batch); /* waits for the compute stream */
+/* The loss of one micro-batch without a host sync: queued into pinned
+ * memory, summed by gpu_loss_take() after the step's sync (ddp_finish);
+ * at most GPU_LOSS_SLOTS micro-batches a step. */
+#define GPU_LOSS_SLOTS 16
+void gpu_loss_queue(model *m, int batch);
+/* The summed losses of the micro-batches queued since the last take, in
+ * order, into loss (at most max); their count. Only after a host sync. */
+int gpu_loss_take(model *m, double *loss, int max);
+/* The first error since attach (or the last gpu_poisoned), without
+ * waiting for the device: 0, or -1 with it in msg. */
+int gpu_error(model *m, char *msg);
 int gpu_correct(const model *m, int batch);
 void gpu_backward(model *m, int batch, float scale, model_ready_fn ready, void *ctx);
 void gpu_optim_step(model *m, optim *o, float lr, float bc1, float bc2);
@@ -133,6 +144,21 @@ static inline int gpu_status(model *m, char *msg)
     return 0;
 }
 static inline int gpu_poisoned(model *m, char *msg)
+{
+    (void)m, (void)msg;
+    return 0;
+}
+#define GPU_LOSS_SLOTS 16
+static inline void gpu_loss_queue(model *m, int batch)
+{
+    (void)m, (void)batch;
+}
+static inline int gpu_loss_take(model *m, double *loss, int max)
+{
+    (void)m, (void)loss, (void)max;
+    return 0;
+}
+static inline int gpu_error(model *m, char *msg)
 {
     (void)m, (void)msg;
     return 0;

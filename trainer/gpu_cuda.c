@@ -20,10 +20,14 @@
  * state sync, evaluation counts) go to the communicator as they are; the
  * NCCL backend stages them itself.
  *
- * Knowingly simple: model_loss() and ddp_finish() each read a value back
- * (a stream sync per micro-batch); one GEMM per linear layer is tiny at
- * this model size, so a small-batch MLP is launch-bound on a big GPU.
- * CUDA graphs of the whole step would remove the launch cost.
+ * One host sync a step: ddp_finish() reads the stop flag into pinned
+ * memory and waits for the compute stream once; the step's losses were
+ * queued into pinned memory beside it (gpu_loss_queue) and are summed
+ * after that sync, and the staging slots are known free from it.
+ *
+ * Knowingly simple: one GEMM per linear layer is tiny at this model size,
+ * so a small-batch MLP is launch-bound on a big GPU. CUDA graphs of the
+ * whole step would remove the launch cost.
  */
 #include "gpu.h"
 #include "ductile/clock.h"
@@ -56,7 +60,11 @@ struct gpu_ctx {
     int32_t *argmax[MODEL_MAX_LAYERS];
     float *col, *dcol, *dwtmp;
     float *probs;
-    double *loss, *hloss; /* per sample: device, pinned host */
+    double *loss, *hloss; /* per sample: device; pinned host, GPU_LOSS_SLOTS batches */
+    int loss_n;               /* micro-batches whose losses were queued (gpu_loss_queue) */
+    int loss_count[GPU_LOSS_SLOTS];
+    float *hword;         /* pinned: one float read back (gpu_read) */
+    int slot_free[2];     /* the slot's last copy is known done (a host sync saw it) */
     float *hlogits;       /* pinned: logits read back for model_correct */
     float *dx[2], *hx[2]; /* two staging slots: device and pinned host */
     uint8_t *dy[2], *hy[2];
@@ -177,6 +185,7 @@ static void free_mirror(gpu_ctx *g)
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         dfree(g, dev[i]);
     hfree(g, g->hloss);
+    hfree(g, g->hword);
     hfree(g, g->hlogits);
     for (int s = 0; s < 2; s++) {
         dfree(g, g->dx[s]);
@@ -214,7 +223,10 @@ kern_stream gpu_stream(gpu_ctx *g)
 
 int gpu_sync(gpu_ctx *g, char *msg)
 {
-    cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream");
+    /* Every batch copy is followed by a compute wait on it: once compute is
+     * done, so are they, and both staging slots are the host's again. */
+    if (cuda_ok(g, cudaStreamSynchronize(g->compute), "compute stream"))
+        g->slot_free[0] = g->slot_free[1] = 1;
     if (g->failed && msg) snprintf(msg, GPU_MSG_MAX, "%s", g->err);
     return g->failed ? -1 : 0;
 }
@@ -336,7 +348,8 @@ static int alloc_mirror(gpu_ctx *g, model *m)
         !(g->grads = dalloc(g, sizeof(float) * m->nfloats)) ||
         !(g->probs = dalloc(g, sizeof(float) * m->cfg.classes * mb)) ||
         !(g->loss = dalloc(g, sizeof(double) * mb)) ||
-        !(g->hloss = halloc(g, sizeof(double) * mb)) ||
+        !(g->hloss = halloc(g, sizeof(double) * mb * GPU_LOSS_SLOTS)) ||
+        !(g->hword = halloc(g, sizeof(float))) ||
         !(g->hlogits = halloc(g, sizeof(float) * m->cfg.classes * mb)))
         return -1;
     if (col && (!(g->col = dalloc(g, sizeof(float) * col * mb)) ||
@@ -489,7 +502,11 @@ static void stage_batch(gpu_ctx *g, model *m, int batch)
     cuda_ok(g, cudaStreamWaitEvent(g->compute, g->copied[s], 0), "compute wait");
     g->cur = s;
     g->slot = s ^ 1;
-    cuda_ok(g, cudaEventSynchronize(g->copied[s ^ 1]), "staging slot");
+    g->slot_free[s] = 0;
+    /* The host gathers the next batch into the other slot once its last
+     * copy is done: a host sync since (the step's) already says so. */
+    if (!g->slot_free[s ^ 1] && cuda_ok(g, cudaEventSynchronize(g->copied[s ^ 1]), "staging slot"))
+        g->slot_free[s ^ 1] = 1;
     m->x = g->hx[s ^ 1];
     m->y = g->hy[s ^ 1];
 }
@@ -547,6 +564,46 @@ double gpu_loss(model *m, int batch)
     for (int i = 0; i < batch; i++)
         loss += g->hloss[i];
     return loss;
+}
+
+void gpu_loss_queue(model *m, int batch)
+{
+    gpu_ctx *g = m->dev;
+    if (g->loss_n >= GPU_LOSS_SLOTS) {
+        fail(g, "gpu_loss_queue: more than %d micro-batches in a step", GPU_LOSS_SLOTS);
+        return;
+    }
+    double *to = g->hloss + (size_t)g->loss_n * (size_t)m->max_batch;
+    kern_ok(g,
+            kern_softmax_xent_forward(g->probs, g->loss, g->out[m->nlayers - 1], g->dy[g->cur],
+                                      batch, m->cfg.classes, g->compute),
+            "softmax");
+    cuda_ok(g,
+            cudaMemcpyAsync(to, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost,
+                            g->compute),
+            "loss copy");
+    g->loss_count[g->loss_n++] = batch;
+}
+
+int gpu_loss_take(model *m, double *loss, int max)
+{
+    gpu_ctx *g = m->dev;
+    int n = g->loss_n < max ? g->loss_n : max;
+    for (int i = 0; i < n; i++) {
+        const double *from = g->hloss + (size_t)i * (size_t)m->max_batch;
+        loss[i] = 0.0;
+        for (int j = 0; j < g->loss_count[i]; j++)
+            loss[i] += from[j];
+    }
+    g->loss_n = 0;
+    return n;
+}
+
+int gpu_error(model *m, char *msg)
+{
+    gpu_ctx *g = m->dev;
+    if (g->failed) snprintf(msg, GPU_MSG_MAX, "%s", g->err);
+    return g->failed ? -1 : 0;
 }
 
 int gpu_correct(const model *m, int batch)
@@ -666,10 +723,10 @@ void gpu_scale(model *m, float *p, size_t n, float a)
 float gpu_read(model *m, const float *p)
 {
     gpu_ctx *g = m->dev;
-    float v = NAN;
-    cuda_ok(g, cudaMemcpyAsync(&v, p, sizeof(v), cudaMemcpyDeviceToHost, g->compute), "read");
+    cuda_ok(g, cudaMemcpyAsync(g->hword, p, sizeof(float), cudaMemcpyDeviceToHost, g->compute),
+            "read");
     if (gpu_sync(g, NULL) != 0) return NAN;
-    return v;
+    return *g->hword;
 }
 
 void gpu_mark(model *m, int slot)

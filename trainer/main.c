@@ -249,14 +249,26 @@ static int step_failpoint(trainer *t)
     return 0;
 }
 
+/* One micro-batch's mean loss into the running and the step's sums. */
+static void add_loss(trainer *t, double loss, double *step_loss, int *step_loss_n)
+{
+    t->loss_sum += loss;
+    t->loss_n++;
+    *step_loss += loss;
+    (*step_loss_n)++;
+}
+
 /* Forward, backward and reduction of `accumulate` micro-batches, then the
- * optimizer update. Sets *stop when any rank asked to stop after it. */
+ * optimizer update. Sets *stop when any rank asked to stop after it. On a
+ * GPU the step's losses are read after the step's one host sync (in
+ * ddp_finish), not one sync per micro-batch. */
 static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
 {
     if (step_failpoint(t) != 0) return -1;
     float scale = (float)t->g.world / (float)step_samples(t);
     double step_loss = 0;
-    int step_loss_n = 0;
+    int step_loss_n = 0, queued[GPU_LOSS_SLOTS], nqueued = 0;
+    if (t->m->dev) gpu_loss_take(t->m, NULL, 0); /* a failed step's queued losses are dropped */
     for (int a = 0; a < t->o.accumulate; a++) {
         int64_t start;
         int count;
@@ -272,11 +284,12 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
         if (count > 0) {
             data_gather(&t->train, perm + start, count, t->m->x, t->m->y);
             model_forward(t->m, count);
-            double loss = model_loss(t->m, count) / count;
-            t->loss_sum += loss;
-            t->loss_n++;
-            step_loss += loss;
-            step_loss_n++;
+            if (t->m->dev && nqueued < GPU_LOSS_SLOTS) {
+                gpu_loss_queue(t->m, count);
+                queued[nqueued++] = count;
+            } else {
+                add_loss(t, model_loss(t->m, count) / count, &step_loss, &step_loss_n);
+            }
             t->own_samples += count;
             model_backward(t->m, count, scale, ddp_mark_ready, t->r);
         } else {
@@ -297,8 +310,14 @@ static int train_step(trainer *t, int want_stop, int *stop, int *epoch_ended)
             return trainer_fail(t, "rank %d: step %lld: %s: %s", t->g.rank, (long long)t->st.step,
                                 ddp_strerror(de), ddp_last_error(t->r));
         char msg[TRAINER_MSG_MAX];
-        if (t->m->dev && gpu_status(t->m, msg) != 0)
+        if (t->m->dev && gpu_error(t->m, msg) != 0)
             return trainer_fail(t, "rank %d: step %lld: %s", t->g.rank, (long long)t->st.step, msg);
+    }
+    if (nqueued > 0) { /* after ddp_finish's sync */
+        double sums[GPU_LOSS_SLOTS];
+        int n = gpu_loss_take(t->m, sums, nqueued);
+        for (int i = 0; i < n; i++)
+            add_loss(t, sums[i] / queued[i], &step_loss, &step_loss_n);
     }
     /* The schedule follows samples, not steps, so it survives a change of
      * world size; --max-steps does not change it, so a run cut short and

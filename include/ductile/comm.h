@@ -101,6 +101,13 @@ comm_err comm_allreduce_sum_f32(comm *c, float *buf, size_t n);
  * backend's stream waits for with no host round trip; NULL is plain
  * comm_allreduce_sum_f32. The ring has no events (COMM_ERR_ARG). */
 comm_err comm_allreduce_sum_f32_after(comm *c, float *buf, size_t n, void *event);
+/* comm_allreduce_sum_f32_after without waiting for the result: a backend
+ * with a device stream (NCCL) queues it behind the ones before, so the
+ * gradient buckets pipeline on its stream with no host round trip between
+ * them; a CPU backend completes it here. comm_wait() then waits for every
+ * one started: buf is not the caller's to read or free before. */
+comm_err comm_allreduce_sum_f32_start(comm *c, float *buf, size_t n, void *event);
+comm_err comm_wait(comm *c);
 /* root's bytes to everyone. */
 comm_err comm_broadcast(comm *c, void *buf, size_t bytes, int root);
 /* Each rank's `bytes` from send, gathered in rank order into recv (world*bytes). */

@@ -30,6 +30,7 @@
 #include "ductile/model.h"
 #include "ductile/optim.h"
 #include "gpu_test.h"
+#include "rt.h" /* the host runtime's count of host syncs */
 #include "test_comm_launch.h"
 #include "test_etcd.h"
 
@@ -119,9 +120,16 @@ static int rank_main(tc_group *g, int rank, void *arg)
             model_forward(m, BATCH);
             model_loss(m, BATCH);
             model_backward(m, BATCH, 1.0f / (2 * BATCH), ddp_mark_ready, r);
+            long before = rt_host_syncs();
             de = ddp_finish(r, &stop);
+            long used = rt_host_syncs() - before;
             CHECK_OR_RETURN(de == DDP_OK, "rank %d: step %d: %s: %s", rank, step, ddp_strerror(de),
                             ddp_last_error(r));
+            /* The buckets' all-reduces pipeline on NCCL's stream and the
+             * stop flag comes back in one host sync: none for a no_sync
+             * micro-batch, one for the step's last. */
+            CHECK_OR_RETURN(used <= (micro == 1), "rank %d: step %d: ddp_finish made %ld host syncs",
+                            rank, step, used);
         }
         /* Only rank 0 voted: the summed flag stops every rank at once. */
         CHECK_OR_RETURN(stop == (step == STEPS - 1), "rank %d: step %d: stop %d", rank, step, stop);

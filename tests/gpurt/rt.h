@@ -153,6 +153,13 @@ void rt_wait_stream(cudaStream_t s);
  * healthy communicator is finalized, not torn down. */
 void rt_nccl_teardowns(int *clean, int *aborted);
 
+/* Host synchronisations so far in this process: stream, event and device
+ * syncs, copies into pageable memory and other blocking copies, and
+ * cudaFree (which waits for the device). With DUCTILE_GPURT_SYNCS=FILE
+ * the count is written there at exit ("syncs N"), for tests of a whole
+ * program's budget. */
+long rt_host_syncs(void);
+
 /* Devices this process sees: DUCTILE_GPURT_DEVICES, or those of them that
  * CUDA_VISIBLE_DEVICES lists, renumbered from 0 as CUDA does. */
 int rt_device_count(void);

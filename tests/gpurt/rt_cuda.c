@@ -25,16 +25,19 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "ductile/clock.h"
 #include "ductile/failpoint.h"
 
 #define RT_MAX_STREAMS 128 /* stream ids alive at once, the legacy stream's 0 included */
 #define RT_MAX_RECORDS 96  /* remembered accesses per block */
 #define RT_WAIT_NS 20000   /* sleep between polls of a blocking wait */
+#define RT_FREE_WAIT_MS 60000 /* cudaFree's wait for the device, before it is called a hang */
 
 typedef struct {
     uint64_t c[RT_MAX_STREAMS];
@@ -92,6 +95,32 @@ static cudaError_t sticky = cudaSuccess;
 static __thread cudaError_t last_error = cudaSuccess;
 static __thread int current_device;
 static __thread int launcher; /* rt_set_launcher */
+static atomic_long host_syncs; /* rt_host_syncs: a test-only counter, like the failpoint table */
+
+long rt_host_syncs(void)
+{
+    return atomic_load(&host_syncs);
+}
+
+static void syncs_write(void)
+{
+    const char *path = getenv("DUCTILE_GPURT_SYNCS");
+    FILE *f = path && *path ? fopen(path, "we") : NULL;
+    if (!f) return;
+    fprintf(f, "syncs %ld\n", rt_host_syncs());
+    fclose(f);
+}
+
+__attribute__((constructor)) static void syncs_at_exit(void)
+{
+    const char *path = getenv("DUCTILE_GPURT_SYNCS");
+    if (path && *path) atexit(syncs_write);
+}
+
+static void host_synced(void)
+{
+    atomic_fetch_add(&host_syncs, 1);
+}
 
 void rt_lock(void)
 {
@@ -319,6 +348,8 @@ static rt_op *queued_user(const block *b, cudaStream_t *on)
     return NULL;
 }
 
+static int settle(cudaStream_t s);
+
 static cudaError_t free_block(void *p, rt_mem kind, const char *call)
 {
     if (!p) return cudaSuccess;
@@ -343,6 +374,35 @@ static cudaError_t free_block(void *p, rt_mem kind, const char *call)
     if (user)
         rt_die("%s(%p): %s queued on stream %d still uses this memory", call, p, user->name,
                on->id);
+    /* CUDA's free waits for the whole device first (a kernel of another
+     * stream, a spinning collective included): so does this one, and a
+     * wait that would never end on a GPU is reported, not waited out. */
+    int64_t until = mono_now_ms() + RT_FREE_WAIT_MS;
+    for (;;) {
+        cudaStream_t busy = NULL;
+        for (cudaStream_t s = all_streams; s && !sticky; s = s->next_all)
+            if (!s->destroyed && !settle(s) && !busy) busy = s;
+        if (!busy) break;
+        if (mono_now_ms() >= until) {
+            const char *what = busy->head ? busy->head->name : "work";
+            int id = busy->id;
+            rt_unlock();
+            rt_die("%s(%p): waited %d s for the device, where %s on stream %d never completes: "
+                   "on a GPU this free blocks for good",
+                   call, p, RT_FREE_WAIT_MS / 1000, what, id);
+        }
+        rt_unlock();
+        pause_briefly();
+        rt_lock();
+    }
+    pp = &blocks; /* the list may have changed while unlocked */
+    while (*pp && (*pp)->base != p)
+        pp = &(*pp)->next;
+    if (*pp != b) {
+        rt_unlock();
+        rt_die("%s(%p): freed twice at once", call, p);
+    }
+    host_synced();
     *pp = b->next;
     cudaError_t e = sticky; /* a poisoned context frees (nothing leaks here) but says so */
     rt_unlock();
@@ -713,6 +773,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
     const char *a = rt_call("cuda", "cudaStreamSynchronize");
     check_stream(s);
     if (is_action(a, "error")) return ret(cudaErrorLaunchFailure);
+    host_synced();
     rt_wait_stream(s);
     return ret(sticky);
 }
@@ -732,6 +793,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s)
 cudaError_t cudaDeviceSynchronize(void)
 {
     rt_call("cuda", "cudaDeviceSynchronize");
+    host_synced();
     for (;;) {
         rt_lock();
         int done = 1;
@@ -818,6 +880,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e)
     if (!e) return ret(cudaErrorInvalidResourceHandle);
     const char *a = rt_call("cuda", "cudaEventSynchronize");
     if (is_action(a, "error")) return ret(cudaErrorLaunchFailure);
+    host_synced();
     for (;;) {
         rt_lock();
         int done = event_done(e) || sticky;
@@ -942,7 +1005,10 @@ static cudaError_t copy(void *dst, const void *src, size_t bytes, enum cudaMemcp
     if (dk == RT_MEM_UNKNOWN && s_dev) sync = 1;
     cudaError_t e = rt_enqueue(s, &c->op, a);
     if (e != cudaSuccess) return e;
-    if (sync) rt_wait_stream(s);
+    if (sync) {
+        host_synced();
+        rt_wait_stream(s);
+    }
     return ret(sticky);
 }
 
@@ -969,7 +1035,10 @@ static cudaError_t set(void *p, int value, size_t bytes, cudaStream_t s, int syn
     if (!c) return ret(cudaErrorMemoryAllocation);
     cudaError_t e = rt_enqueue(s, &c->op, a);
     if (e != cudaSuccess) return e;
-    if (sync) rt_wait_stream(s);
+    if (sync) {
+        host_synced();
+        rt_wait_stream(s);
+    }
     return ret(sticky);
 }
 

@@ -246,8 +246,13 @@ static void rec_destroy(comm *c)
     free(c);
 }
 
-static const comm_ops rec_ops = {"recording", rec_allreduce, rec_broadcast, rec_allgather,
-                                 rec_barrier, NULL,          rec_abort,     rec_destroy};
+static const comm_ops rec_ops = {.name = "recording",
+                                 .allreduce_sum_f32 = rec_allreduce,
+                                 .broadcast = rec_broadcast,
+                                 .allgather = rec_allgather,
+                                 .barrier = rec_barrier,
+                                 .abort = rec_abort,
+                                 .destroy = rec_destroy};
 
 /* Marks every parameter ready in the given order, as backward would. */
 static void mark_all(ddp_reducer *r, const int *order, int n)
