@@ -418,7 +418,7 @@ elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
     int receiving = comm_rank(c) != root;
     size_t total = 0;
     for (int i = 0; i < n; i++)
-        total += parts[i].bytes;
+        if (!parts[i].scratch) total += parts[i].bytes;
     /* Knowingly simple: one scratch copy of the whole state (the model's
      * size again, for the moment of a rebuild); receiving straight into the
      * state and undoing on failure would need the same copy, kept first. */
@@ -427,12 +427,16 @@ elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
     elastic_err err = ELASTIC_OK;
     size_t off = 0;
     for (int i = 0; i < n && err == ELASTIC_OK; i++) {
-        void *buf = !receiving ? parts[i].data : scratch ? scratch + off : NULL;
+        void *buf = !receiving        ? parts[i].data
+                    : parts[i].scratch ? parts[i].scratch
+                    : scratch          ? scratch + off
+                                       : NULL;
         if (comm_broadcast(c, buf, parts[i].bytes, root) != COMM_OK) err = ELASTIC_ERR_COMM;
-        off += parts[i].bytes;
+        if (!parts[i].scratch) off += parts[i].bytes;
     }
     off = 0;
     for (int i = 0; i < n && receiving && err == ELASTIC_OK; i++) {
+        if (parts[i].scratch) continue; /* the caller adopts it */
         if (parts[i].bytes > 0) memcpy(parts[i].data, scratch + off, parts[i].bytes);
         off += parts[i].bytes;
     }

@@ -34,6 +34,7 @@
 #include "ductile/optim.h"
 
 typedef struct gpu_ctx gpu_ctx;
+struct elastic_part; /* ductile/elastic.h */
 
 /* The size of the msg (or why) buffer gpu_* functions fill with one line. */
 #define GPU_MSG_MAX 256
@@ -58,6 +59,18 @@ int gpu_status(model *m, char *msg);
  * else 0, and an error that was not sticky is forgotten, so the next
  * round starts clean in place. */
 int gpu_poisoned(model *m, char *msg);
+
+/* The state sync on the device: the parameters and the optimizer state as
+ * elastic parts in device memory, each with a device scratch of its size
+ * that a receiving rank's broadcast goes into (device to device, no host
+ * copy); after waiting once for the compute stream, so that NCCL's stream
+ * may read and write them. 0, or -1 with msg. */
+int gpu_state_parts(model *m, optim *o, struct elastic_part *weights, struct elastic_part *state,
+                    char *msg);
+/* A receiver, after a state sync that succeeded: the scratch buffers are
+ * the parameters and the optimizer state from now on (the old ones become
+ * the scratch). */
+void gpu_state_adopt(model *m);
 
 /* The model.h and optim.h operations on the device. */
 const float *gpu_forward(model *m, int batch);
@@ -147,6 +160,16 @@ static inline int gpu_poisoned(model *m, char *msg)
 {
     (void)m, (void)msg;
     return 0;
+}
+static inline int gpu_state_parts(model *m, optim *o, struct elastic_part *w,
+                                  struct elastic_part *s, char *msg)
+{
+    (void)m, (void)o, (void)w, (void)s, (void)msg;
+    return -1;
+}
+static inline void gpu_state_adopt(model *m)
+{
+    (void)m;
 }
 #define GPU_LOSS_SLOTS 16
 static inline void gpu_loss_queue(model *m, int batch)

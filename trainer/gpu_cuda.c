@@ -31,6 +31,7 @@
  */
 #include "gpu.h"
 #include "ductile/clock.h"
+#include "ductile/elastic.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -73,6 +74,8 @@ struct gpu_ctx {
     int cur;  /* the slot of the last forward */
     float *state;
     size_t state_floats;
+    float *scratch_w, *scratch_s; /* a receiver's state sync lands here (gpu_state_parts) */
+    size_t scratch_s_floats;
     cudaEvent_t marks[MODEL_MAX_PARAMS];
 };
 
@@ -184,6 +187,8 @@ static void free_mirror(gpu_ctx *g)
     void *dev[] = {g->weights, g->grads, g->col, g->dcol, g->dwtmp, g->probs, g->loss, g->state};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         dfree(g, dev[i]);
+    dfree(g, g->scratch_w);
+    dfree(g, g->scratch_s);
     hfree(g, g->hloss);
     hfree(g, g->hword);
     hfree(g, g->hlogits);
@@ -456,6 +461,43 @@ int gpu_download(model *m, optim *o, char *msg)
                                 cudaMemcpyDeviceToHost, g->compute),
                 "downloading optimizer state");
     return gpu_sync(g, msg);
+}
+
+int gpu_state_parts(model *m, optim *o, elastic_part *w, elastic_part *s, char *msg)
+{
+    gpu_ctx *g = m->dev;
+    size_t n = o->n * (size_t)o->nstate;
+    if (state_ready(g, o) != 0 ||
+        (!g->scratch_w && !(g->scratch_w = dalloc(g, sizeof(float) * m->nfloats)))) {
+        snprintf(msg, GPU_MSG_MAX, "%s", g->err);
+        return -1;
+    }
+    if (g->scratch_s_floats != n) {
+        dfree(g, g->scratch_s);
+        g->scratch_s = NULL;
+        g->scratch_s_floats = 0;
+        if (n && !(g->scratch_s = dalloc(g, sizeof(float) * n))) {
+            snprintf(msg, GPU_MSG_MAX, "%s", g->err);
+            return -1;
+        }
+        g->scratch_s_floats = n;
+    }
+    if (gpu_sync(g, msg) != 0) return -1;
+    *w = (elastic_part){g->weights, sizeof(float) * m->nfloats, g->scratch_w};
+    *s = (elastic_part){g->state, sizeof(float) * n, g->scratch_s};
+    return 0;
+}
+
+void gpu_state_adopt(model *m)
+{
+    gpu_ctx *g = m->dev;
+    float *w = g->weights, *s = g->state;
+    g->weights = g->scratch_w;
+    g->scratch_w = w;
+    g->state = g->scratch_s;
+    g->scratch_s = s;
+    for (int i = 0; i < m->nparams; i++)
+        m->params[i].data = g->weights + m->params[i].offset;
 }
 
 int gpu_status(model *m, char *msg)

@@ -122,6 +122,7 @@ typedef struct trainer {
     int lost;                  /* the first group could not form for want of a peer or the store */
     elastic *el;               /* under ductile-agent: its control channel (elastic.c) */
     int has_state;             /* trained, synced or resumed: a claim in the agreement */
+    int dev_current;           /* on a GPU: the device holds the state, the host copy is stale */
     int64_t state_round;       /* the round that state was made in */
     char why[TRAINER_MSG_MAX]; /* the last failure of a step or a sync, for the agent */
 } trainer;
@@ -405,15 +406,20 @@ static int sync_state(trainer *t)
 {
     elastic_claim mine = {t->has_state, t->state_round, t->st.step}, best;
     elastic_part parts[3] = {
-        {&t->st, sizeof(t->st)},
-        {t->m->weights, sizeof(float) * t->m->nfloats},
-        {t->opt->state, sizeof(float) * t->opt->n * t->opt->nstate},
+        {&t->st, sizeof(t->st), NULL},
+        {t->m->weights, sizeof(float) * t->m->nfloats, NULL},
+        {t->opt->state, sizeof(float) * t->opt->n * t->opt->nstate, NULL},
     };
     int root;
+    char msg[TRAINER_MSG_MAX];
     t->st.optim_t = t->opt->t;
+    /* On a GPU the parameters and optimizer state go device to device. */
+    if (t->m->dev && t->g.comm && gpu_state_parts(t->m, t->opt, &parts[1], &parts[2], msg) != 0)
+        return trainer_fail(t, "rank %d: --device cuda: %s", t->g.rank, msg);
     if (ddp_sync_state(t->r, t->el ? &mine : NULL, parts, 3, &root, &best) != DDP_OK)
         return trainer_fail(t, "rank %d: agreeing on the group's state: %s", t->g.rank,
                             ddp_last_error(t->r));
+    if (t->m->dev && t->g.comm && root != t->g.rank) gpu_state_adopt(t->m);
     t->opt->t = t->st.optim_t;
     if (t->el && t->g.comm)
         say(t, "round %lld: state of rank %d (round %lld, step %lld) to %d ranks",
@@ -425,13 +431,12 @@ static int sync_state(trainer *t)
 }
 
 /* Rank 0 resumes from the newest usable checkpoint (if any); then the
- * group syncs its state (sync_state). */
+ * group syncs its state (sync_state). On a GPU the state lives on the
+ * device from the first sync on: a fresh process's (or a resumed
+ * checkpoint's) host state goes up once, and no rebuild copies it back. */
 static int resume_and_sync(trainer *t)
 {
     char path[4096], msg[TRAINER_MSG_MAX];
-    /* On a GPU the current state is on the device: the host copy is what goes out. */
-    if (t->m->dev && gpu_download(t->m, t->opt, msg) != 0)
-        return trainer_fail(t, "rank %d: --device cuda: %s", t->g.rank, msg);
     if (t->g.rank == 0 && t->o.checkpoint_dir && !t->has_state) {
         ckpt_state want = t->st, got;
         ckpt_err e = ckpt_load(t->o.checkpoint_dir, &want, &got, t->m->weights, t->m->nfloats,
@@ -450,6 +455,11 @@ static int resume_and_sync(trainer *t)
         } else if (e != CKPT_ERR_NONE) {
             dlog_warn(&t->log, NULL, "%s; starting from scratch", msg);
         }
+    }
+    if (t->m->dev && !t->dev_current) {
+        if (gpu_upload(t->m, t->opt, msg) != 0)
+            return trainer_fail(t, "rank %d: --device cuda: %s", t->g.rank, msg);
+        t->dev_current = 1;
     }
     if (sync_state(t) != 0) return -1;
     t->start_step = t->st.step;
@@ -508,7 +518,6 @@ static int trainer_setup(trainer *t)
     t->st.optim_nstate = t->opt->nstate;
     t->st.cfg = t->o.cfg;
     if (resume_and_sync(t) != 0) return -1;
-    if (t->m->dev && gpu_upload(t->m, t->opt, msg) != 0) return fail(t, "--device cuda: %s", msg);
     return 0;
 }
 
@@ -776,10 +785,6 @@ static loop_state trainer_regroup(trainer *t, const char *why)
             report_failure(t, peer_gone(t),
                            t->why[0] ? t->why : "agreeing on the group's state failed");
             continue;
-        }
-        if (t->m->dev && gpu_upload(t->m, t->opt, msg) != 0) {
-            fail(t, "rank %d: --device cuda: %s", t->g.rank, msg);
-            return LOOP_FAILED;
         }
         t->start_step = start_step;
         t->start_samples = start_samples;

@@ -126,16 +126,21 @@ typedef struct elastic_claim {
 } elastic_claim;
 elastic_err elastic_agree(comm *c, const elastic_claim *mine, int *root, elastic_claim *best);
 
-/* One piece of the state the agreement's winner sends to all (host memory). */
+/* One piece of the state the agreement's winner sends to all: host
+ * memory, or device memory with a device scratch buffer of the same size
+ * (scratch set), which a receiver's broadcast goes into, device to device,
+ * and which the caller adopts as the part once elastic_share succeeded. */
 typedef struct elastic_part {
     void *data;
     size_t bytes;
+    void *scratch; /* NULL: received into a host copy, then copied into data */
 } elastic_part;
 
 /* Broadcasts parts[0..n) from root. Every other rank receives them into
- * scratch memory and copies them into its parts only after every broadcast
- * succeeded: on any error its parts are as they were, so its claim in the
- * next agreement still matches its state. ELASTIC_ERR_COMM when a broadcast
- * failed (comm_last_error says why), ELASTIC_ERR_NOMEM without scratch. */
+ * scratch memory (its own host copy, or the part's scratch) and copies
+ * the host ones into its parts only after every broadcast succeeded: on any
+ * error its parts are as they were, so its claim in the next agreement
+ * still matches its state. ELASTIC_ERR_COMM when a broadcast failed
+ * (comm_last_error says why), ELASTIC_ERR_NOMEM without scratch. */
 elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n);
 #endif

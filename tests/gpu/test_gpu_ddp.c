@@ -78,7 +78,7 @@ static int run(run_kind kind, float *params, int *buckets)
           run_name[kind]);
     /* The state sync with a claim: one rank's own state wins, unchanged. */
     elastic_claim mine = {1, 4, 2}, best = {0, 0, 0};
-    elastic_part part = {host, sizeof(host)};
+    elastic_part part = {host, sizeof(host), NULL};
     int root = -1;
     CHECK(ddp_sync_state(r, c ? &mine : NULL, &part, 1, &root, &best) == DDP_OK, "%s: sync: %s",
           run_name[kind], ddp_last_error(r));

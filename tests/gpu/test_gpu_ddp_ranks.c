@@ -8,7 +8,8 @@
  * through a real etcd round store:
  *  - the state sync with claims: the rank with the newest claim is not rank
  *    0 (world 2: rank 1, world 3: rank 2), its parameters and optimizer
- *    state (host memory, staged by the NCCL backend) must reach every rank;
+ *    state (device memory, broadcast device to device into the receivers'
+ *    scratch, which they adopt) must reach every rank;
  *    the others start from other seeds, so a broadcast from the wrong root
  *    or through the wrong memory shows;
  *  - twenty steps of two micro-batches (no_sync then sync), every rank on
@@ -103,14 +104,19 @@ static int rank_main(tc_group *g, int rank, void *arg)
     /* Rank 0 has state too, but of an older round: the root's must win. */
     elastic_claim mine = {rank == root || rank == 0, rank == root ? 3 : 2, rank == root ? 7 : 9};
     elastic_claim best;
-    elastic_part parts[2] = {{m->weights, sizeof(float) * m->nfloats},
-                             {o->state, sizeof(float) * o->n * o->nstate}};
-    int got_root = -1; /* the host copies are the state here: nothing trained yet */
+    /* The state goes device to device, as ductile-train's: each rank's
+     * state on its device, a receiver's broadcast into device scratch that
+     * it adopts once every part arrived. */
+    CHECK_OR_RETURN(gpu_upload(m, o, msg) == 0, "rank %d: %s", rank, msg);
+    elastic_part parts[2];
+    CHECK_OR_RETURN(gpu_state_parts(m, o, &parts[0], &parts[1], msg) == 0, "rank %d: %s", rank,
+                    msg);
+    int got_root = -1;
     ddp_err de = ddp_sync_state(r, &mine, parts, 2, &got_root, &best);
     CHECK_OR_RETURN(de == DDP_OK, "rank %d: state sync: %s", rank, ddp_last_error(r));
+    if (got_root != rank) gpu_state_adopt(m);
     res->root[rank] = got_root;
     res->best_step[rank] = best.step;
-    CHECK_OR_RETURN(gpu_upload(m, o, msg) == 0, "rank %d: %s", rank, msg);
 
     for (int step = 0; step < STEPS; step++) {
         int stop = -1;

@@ -1994,7 +1994,7 @@ static ncclResult_t nc_init(const char *name, ncclComm_t *out, int nranks, ncclU
     if (ce != cudaSuccess)
         return nc_fail_here(ncclUnhandledCudaError, "%s: cudaGetDevice: %s", name,
                             cudaGetErrorString(ce));
-    ncclComm_t c;
+    ncclComm_t c = NULL;
     r = nc_comm_new(name, action, nranks, rank, device, &id, &c);
     if (r != ncclSuccess) return r;
     c->blocking = !cfg || cfg->blocking != 0; /* NCCL_CONFIG_UNDEF_INT: blocking */

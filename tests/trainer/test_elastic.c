@@ -428,7 +428,7 @@ static int rank_share(tc_group *g, int rank, void *arg)
         if (!buf[p]) return 3;
         for (size_t i = 0; i < share_bytes[p]; i++)
             buf[p][i] = share_byte(rank, p, i);
-        parts[p] = (elastic_part){buf[p], share_bytes[p]};
+        parts[p] = (elastic_part){buf[p], share_bytes[p], NULL};
     }
     if (a->mode == SHARE_ROOT_DIES && rank == a->root) {
         /* The same two broadcasts elastic_share starts with, then gone. */
