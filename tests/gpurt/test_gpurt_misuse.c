@@ -23,7 +23,13 @@
  *   other_device   a kernel on device 0 writes device 1's memory (twin: its
  *                  own device's; and a launch on device 1's stream while
  *                  device 0 is current fails with cudaErrorInvalidResourceHandle).
- * Two cases hold no death: stale (a host read of a cudaMemcpyAsync
+ * Cases that hold no death, each checking CUDA's own semantics:
+ *   sticky         after a launch failure (the async failpoint) every later
+ *                  call answers it: malloc, free, streams, events, copies,
+ *                  device queries;
+ *   free_syncs     cudaFree waits for the whole device: a copy queued on
+ *                  another stream has landed when it returns (and the free
+ *                  is counted as a host sync); stale (a host read of a cudaMemcpyAsync
  * destination before cudaStreamSynchronize sees the old value, after it the
  * new one: the lazy queue's semantics) and gemm_invalid (sizes and leading
  * dimensions cuBLAS refuses give CUBLAS_STATUS_INVALID_VALUE, and no work).
@@ -40,6 +46,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "rt.h"
 #include "th_proc.h"
 #include "th_scenario.h"
 #include "kernels.h"
@@ -323,6 +330,63 @@ static void test_free_queued(void)
     expect_clean(free_queued_good, "cudaFree after the stream's work is done");
 }
 
+/* ---- a sticky error poisons the context ---- */
+
+static void sticky_child(void)
+{
+    float *d = dev_floats(N), *e = NULL;
+    cudaStream_t s = new_stream(), t = NULL;
+    rt_fail_next("kern_fill:async");
+    CHECK_OR_EXIT(kern_fill(d, N, 1.0f, s) == 0, "the failing launch is queued fine");
+    CHECK(cudaStreamSynchronize(s) == cudaErrorLaunchFailure, "the sync does not report it");
+    CHECK(cudaMalloc((void **)&e, 16) == cudaErrorLaunchFailure, "cudaMalloc");
+    CHECK(cudaStreamCreate(&t) == cudaErrorLaunchFailure, "cudaStreamCreate");
+    int dev = -1, count = -1;
+    CHECK(cudaGetDevice(&dev) == cudaErrorLaunchFailure, "cudaGetDevice");
+    CHECK(cudaGetDeviceCount(&count) == cudaErrorLaunchFailure, "cudaGetDeviceCount");
+    float h = 0;
+    CHECK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost) == cudaErrorLaunchFailure,
+          "cudaMemcpy");
+    CHECK(kern_fill(d, N, 2.0f, s) == (int)cudaErrorLaunchFailure, "a later launch");
+    CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "cudaGetLastError cleared it");
+    CHECK(cudaGetLastError() == cudaErrorLaunchFailure, "cudaGetLastError cleared it twice");
+    CHECK(cudaFree(d) == cudaErrorLaunchFailure, "cudaFree");
+    CHECK(cudaStreamDestroy(s) == cudaErrorLaunchFailure, "cudaStreamDestroy");
+    if (check_failures()) _exit(1);
+}
+
+static void test_sticky(void)
+{
+    expect_clean(sticky_child, "every call after a sticky error answers it");
+}
+
+/* ---- cudaFree waits for the device ---- */
+
+static void free_syncs_child(void)
+{
+    cudaStream_t s = new_stream();
+    float *d = dev_floats(N), *other = dev_floats(N), *pinned = NULL;
+    CHECK_OR_EXIT(cudaMallocHost((void **)&pinned, sizeof(float) * N) == cudaSuccess, "pinned");
+    pinned[0] = -1.0f;
+    CHECK_OR_EXIT(kern_fill(d, N, 4.0f, s) == 0, "kern_fill");
+    CHECK_OR_EXIT(cudaMemcpyAsync(pinned, d, sizeof(float) * N, cudaMemcpyDeviceToHost, s) ==
+                      cudaSuccess,
+                  "cudaMemcpyAsync");
+    long before = rt_host_syncs();
+    CHECK_OR_EXIT(cudaFree(other) == cudaSuccess, "cudaFree");
+    CHECK(pinned[0] == 4.0f, "after cudaFree the queued copy had not landed: %g", pinned[0]);
+    CHECK(rt_host_syncs() == before + 1, "cudaFree was not counted as a host sync");
+    cudaFreeHost(pinned);
+    cudaFree(d);
+    cudaStreamDestroy(s);
+    if (check_failures()) _exit(1);
+}
+
+static void test_free_syncs(void)
+{
+    expect_clean(free_syncs_child, "cudaFree waits for the whole device");
+}
+
 /* ---- devices own their streams and memory ---- */
 
 static void other_device(int wrong)
@@ -487,7 +551,8 @@ int main(int argc, char **argv)
         {"past_end", test_past_end},         {"race", test_race},
         {"free_queued", test_free_queued},   {"stale", test_stale},
         {"gemm_invalid", test_gemm_invalid}, {"unsettled", test_unsettled},
-        {"other_device", test_other_device},
+        {"other_device", test_other_device}, {"sticky", test_sticky},
+        {"free_syncs", test_free_syncs},
     };
     th_run_cases(cases, TH_COUNT(cases), argc, argv, 1, NULL);
     return check_finish("test_gpurt_misuse");
