@@ -98,8 +98,9 @@ static void choose_verdict(const choose_entry *e, int w, int *host_of, int *coun
     }
     if (ring) strcpy(v, "ring");
     if (shm_only >= 0 && ring)
-        snprintf(v, COMM_MSG_MAX, REFUSED "--comm shm (rank %d, node %.40s): a host has over %d ranks",
-                 shm_only, e[shm_only].node, SHM_MAX_RANKS);
+        snprintf(v, COMM_MSG_MAX,
+                 REFUSED "--comm shm (rank %d, node %.40s): a host has over %d ranks", shm_only,
+                 e[shm_only].node, SHM_MAX_RANKS);
     else if (shm_only >= 0 && nhosts > 1)
         snprintf(v, COMM_MSG_MAX,
                  REFUSED "--comm shm (rank %d, node %.40s) needs every rank on one host; the "
@@ -215,7 +216,8 @@ comm_err comm_choose_nccl(comm *c, const comm_config *cfg)
     char v[sizeof(me.node) + 8];
     snprintf(v, sizeof(v), "nccl %s", me.node);
     rdzv_err re = rdzv_store_set(cfg->store, "transport", v, strlen(v));
-    return re == RDZV_OK ? COMM_OK : comm_store_error(c, cfg->store, re, "publishing the transport");
+    return re == RDZV_OK ? COMM_OK
+                         : comm_store_error(c, cfg->store, re, "publishing the transport");
 }
 
 int comm_choose_refused(const char *v, size_t len)

@@ -427,7 +427,7 @@ elastic_err elastic_share(comm *c, int root, const elastic_part *parts, int n)
     elastic_err err = ELASTIC_OK;
     size_t off = 0;
     for (int i = 0; i < n && err == ELASTIC_OK; i++) {
-        void *buf = !receiving        ? parts[i].data
+        void *buf = !receiving         ? parts[i].data
                     : parts[i].scratch ? parts[i].scratch
                     : scratch          ? scratch + off
                                        : NULL;

@@ -62,7 +62,7 @@ struct gpu_ctx {
     float *col, *dcol, *dwtmp;
     float *probs;
     double *loss, *hloss; /* per sample: device; pinned host, GPU_LOSS_SLOTS batches */
-    int loss_n;               /* micro-batches whose losses were queued (gpu_loss_queue) */
+    int loss_n;           /* micro-batches whose losses were queued (gpu_loss_queue) */
     int loss_count[GPU_LOSS_SLOTS];
     float *hword;         /* pinned: one float read back (gpu_read) */
     int slot_free[2];     /* the slot's last copy is known done (a host sync saw it) */
@@ -620,10 +620,9 @@ void gpu_loss_queue(model *m, int batch)
             kern_softmax_xent_forward(g->probs, g->loss, g->out[m->nlayers - 1], g->dy[g->cur],
                                       batch, m->cfg.classes, g->compute),
             "softmax");
-    cuda_ok(g,
-            cudaMemcpyAsync(to, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost,
-                            g->compute),
-            "loss copy");
+    cuda_ok(
+        g, cudaMemcpyAsync(to, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost, g->compute),
+        "loss copy");
     g->loss_count[g->loss_n++] = batch;
 }
 

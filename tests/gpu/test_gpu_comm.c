@@ -153,7 +153,8 @@ static int local_rank(tc_group *g, int rank, int mode)
         if (all) break;
         th_sleep_ms(10);
     }
-    if (rank == 1) rt_fail_next(mode == LOCAL_SYSTEM ? "ncclAllReduce:async:system" : "ncclAllReduce");
+    if (rank == 1)
+        rt_fail_next(mode == LOCAL_SYSTEM ? "ncclAllReduce:async:system" : "ncclAllReduce");
     float *x = NULL;
     CHECK_OR_RETURN(cudaMalloc((void **)&x, 16 * sizeof(float)) == cudaSuccess);
     comm_err err = comm_allreduce_sum_f32(c, x, 16);

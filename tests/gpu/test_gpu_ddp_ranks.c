@@ -134,8 +134,8 @@ static int rank_main(tc_group *g, int rank, void *arg)
             /* The buckets' all-reduces pipeline on NCCL's stream and the
              * stop flag comes back in one host sync: none for a no_sync
              * micro-batch, one for the step's last. */
-            CHECK_OR_RETURN(used <= (micro == 1), "rank %d: step %d: ddp_finish made %ld host syncs",
-                            rank, step, used);
+            CHECK_OR_RETURN(used <= (micro == 1),
+                            "rank %d: step %d: ddp_finish made %ld host syncs", rank, step, used);
         }
         /* Only rank 0 voted: the summed flag stops every rank at once. */
         CHECK_OR_RETURN(stop == (step == STEPS - 1), "rank %d: step %d: stop %d", rank, step, stop);

@@ -34,9 +34,9 @@
 #include "ductile/clock.h"
 #include "ductile/failpoint.h"
 
-#define RT_MAX_STREAMS 128 /* stream ids alive at once, the legacy stream's 0 included */
-#define RT_MAX_RECORDS 96  /* remembered accesses per block */
-#define RT_WAIT_NS 20000   /* sleep between polls of a blocking wait */
+#define RT_MAX_STREAMS 128    /* stream ids alive at once, the legacy stream's 0 included */
+#define RT_MAX_RECORDS 96     /* remembered accesses per block */
+#define RT_WAIT_NS 20000      /* sleep between polls of a blocking wait */
 #define RT_FREE_WAIT_MS 60000 /* cudaFree's wait for the device, before it is called a hang */
 
 typedef struct {
@@ -68,9 +68,9 @@ struct CUstream_st {
     int destroyed;
     int pumping; /* rt_pump is on the stack for this stream */
     rt_op *head, *tail;
-    uint64_t enq, done; /* ops queued and completed, in seq order */
-    int held;             /* NCCL calls on it not yet launched (rt_stream_hold) */
-    const char *held_by;  /* the latest of them */
+    uint64_t enq, done;  /* ops queued and completed, in seq order */
+    int held;            /* NCCL calls on it not yet launched (rt_stream_hold) */
+    const char *held_by; /* the latest of them */
     vclock vc;
     struct CUstream_st *next_all;
 };
@@ -94,7 +94,7 @@ static vclock host_vc;
 static cudaError_t sticky = cudaSuccess;
 static __thread cudaError_t last_error = cudaSuccess;
 static __thread int current_device;
-static __thread int launcher; /* rt_set_launcher */
+static __thread int launcher;  /* rt_set_launcher */
 static atomic_long host_syncs; /* rt_host_syncs: a test-only counter, like the failpoint table */
 
 long rt_host_syncs(void)

@@ -28,10 +28,10 @@
  * Environment: DUCTILE_GPURT_ADDR (the IPv4 address to listen on, default
  * 127.0.0.1), DUCTILE_GPURT_PEER_ERROR=system (a lost peer is
  * ncclSystemError, as NCCL before 2.13 said; by default ncclRemoteError,
- * what NCCL 2.13 and later's socket transport says of a closed peer). Failpoints (rt.h) count ncclGetUniqueId, the inits,
- * ncclCommFinalize, the collectives, ncclSend and ncclRecv; queries, group
- * brackets and teardown are not counted (a poll loop would make counts
- * depend on timing, and teardown must always work).
+ * what NCCL 2.13 and later's socket transport says of a closed peer). Failpoints (rt.h) count
+ * ncclGetUniqueId, the inits, ncclCommFinalize, the collectives, ncclSend and ncclRecv; queries,
+ * group brackets and teardown are not counted (a poll loop would make counts depend on timing, and
+ * teardown must always work).
  *
  * Knowingly simple: every rank sends its whole share to every other (n^2
  * frames per collective where NCCL runs a ring); frames wait in per-peer
@@ -1530,7 +1530,8 @@ ncclResult_t ncclGroupEnd(void)
     int later = 0;
     for (int i = 0; i < nc_grp.n; i++)
         later |= nc_grp.item[i].nonblocking;
-    ncclResult_t r = later ? nc_defer(nc_grp.item, nc_grp.n) : nc_group_flush(nc_grp.item, nc_grp.n);
+    ncclResult_t r =
+        later ? nc_defer(nc_grp.item, nc_grp.n) : nc_group_flush(nc_grp.item, nc_grp.n);
     free(nc_grp.item);
     nc_grp = (struct nc_group){.depth = 0};
     return r;
@@ -1613,7 +1614,8 @@ static void nc_job_launch(nc_job *j)
         j->item[i].work.sh = held[i];
     for (int i = 0; i < k; i++) {
         rt_stream_hold(streams[i], -1, NULL);
-        if (r != ncclSuccess) nc_fail(held[i], r, "launching %s: %s", j->item[0].name, nc_tls_reason);
+        if (r != ncclSuccess)
+            nc_fail(held[i], r, "launching %s: %s", j->item[0].name, nc_tls_reason);
     }
     nc_job_mark(j, NULL); /* settled: ncclCommGetAsyncError says so from now on */
     for (int i = 0; i < k; i++)
@@ -1667,7 +1669,8 @@ static ncclResult_t nc_defer(nc_pending *items, int n)
         free(j);
         for (int i = 0; i < n; i++)
             nc_unref(items[i].work.sh);
-        return nc_fail_here(ncclSystemError, "%s: cannot start NCCL's launch thread", items[0].name);
+        return nc_fail_here(ncclSystemError, "%s: cannot start NCCL's launch thread",
+                            items[0].name);
     }
     memcpy(copy, items, sizeof(*copy) * (size_t)n);
     *j = (nc_job){.item = copy, .n = n, .late_ms = mono_now_ms() + NC_LAUNCH_LATE_MS};

@@ -183,7 +183,8 @@ static void child_main(const world_spec *sp, world_pipes *p, int r)
     /* A GPU of its own, as on a real node: NCCL refuses two ranks of one
      * host on one device (these processes share a parent: one host). */
     if (cudaSetDevice(r) != cudaSuccess) {
-        fprintf(stderr, "rank %d: cudaSetDevice(%d) failed: DUCTILE_GPURT_DEVICES too small\n", r, r);
+        fprintf(stderr, "rank %d: cudaSetDevice(%d) failed: DUCTILE_GPURT_DEVICES too small\n", r,
+                r);
         _exit(1);
     }
     if (sp->peer_error) setenv("DUCTILE_GPURT_PEER_ERROR", sp->peer_error, 1);
@@ -867,7 +868,8 @@ static int pending_start(rank_ctx *c, pending *p)
     CHECK_OR_RETURN(cudaMemset(p->d_out, SENTINEL, N * sizeof(float)) == cudaSuccess);
     note(c, 'r');
     wait_go(c);
-    CHECK_OR_RETURN(issued(p->comm, ncclAllReduce(p->d_in, p->d_out, N, ncclFloat, ncclSum, p->comm, p->s)));
+    CHECK_OR_RETURN(
+        issued(p->comm, ncclAllReduce(p->d_in, p->d_out, N, ncclFloat, ncclSum, p->comm, p->s)));
     return 0;
 }
 
