@@ -44,11 +44,14 @@ asan: deps
 # optimised build is compiled too so its warnings count, CUDA's included. A test runs once: one that passes only on a second try is
 # a bug. The agent and e2e tests run again with every core kept busy
 # (tests/harness/contend.py); those run alone (RUN_SERIAL), the rest $(JOBS)
-# at a time, so no test may depend on a quiet machine.
+# at a time, so no test may depend on a quiet machine. The ten slowest are
+# listed at the end, then ctest's count again, as the last line.
 test: build asan
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --output-on-failure --timeout 1200 -j $(JOBS) -LE long
+	  ctest --output-on-failure --timeout 1200 -j $(JOBS) -LE long --output-log ctest.log; \
+	  rc=$$?; python3 $(CURDIR)/tests/harness/slowest.py Testing/Temporary/LastTest.log; \
+	  grep -E 'tests passed, [0-9]+ tests? failed out of' ctest.log | tail -1; exit $$rc
 
 # Soak and chaos runs: longer than `make test`.
 test-long: build
