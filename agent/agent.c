@@ -475,9 +475,14 @@ static void on_ctl(void *ctx, agent_worker *w, const ctl_msg *m)
         char reason[600];
         snprintf(reason, sizeof(reason), "worker rank %d %s: %s", w->rank,
                  first_hand ? "reported" : "lost a peer", m->reason);
-        /* A lost peer of a round this node has left is old news. */
+        /* A lost peer of a round this node has left is old news. A kept
+         * worker's own failure is not: it may come while the round it
+         * happened in is being replaced (a peer saw its connections close
+         * first), and it is counted all the same (rdzv_report_failure adds
+         * it to the current round when that one ended uncounted). */
         if (!first_hand && (!a->in_round || m->round != a->round.number)) break;
-        if (a->state != AGENT_RUNNING) break;
+        if (a->state != AGENT_RUNNING && !(first_hand && a->state == AGENT_RDZV && a->o->inplace))
+            break;
         if (keep_at_end(a, a->round.number)) {
             /* The worker keeps its process; the round ends for everyone. */
             dlog_warn(&a->lg, first_hand ? "worker_reported_failure" : "worker_lost_peer",

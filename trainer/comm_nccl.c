@@ -66,6 +66,8 @@ typedef struct nccl_comm {
     int device;
     int timeout_ms;
     int broken; /* aborted or failed: destroy must abort, not finalize */
+    void (*failed_here)(void *ctx, const char *why); /* comm_config's */
+    void *failed_ctx;
 } nccl_comm;
 
 /* Between two polls: the first NCCL_SPINS yield the core (a launch or a
@@ -101,6 +103,13 @@ static comm_err nccl_fail(nccl_comm *g, comm_err err, const char *what, ncclResu
     comm_err out =
         comm_fail(&g->base, err, "rank %d: %s: %s%s%s", g->base.rank, what, ncclGetErrorString(r),
                   detail && *detail ? ": " : "", detail ? detail : "");
+    /* This process's own NCCL failure is said before the teardown closes
+     * the connections: a peer that sees them close reports a lost peer,
+     * and the two reports must not race for which comes first. */
+    if (out == COMM_ERR_NCCL && g->failed_here && !g->broken) {
+        g->failed_here(g->failed_ctx, g->base.last_error);
+        g->failed_here = NULL;
+    }
     nccl_break(g);
     return out;
 }
@@ -498,6 +507,8 @@ comm_err comm_nccl_init(const comm_config *cfg, comm **out)
     comm_base_init(&g->base, &nccl_ops, cfg->rank, cfg->world_size);
     g->device = cfg->device;
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : NCCL_DEFAULT_TIMEOUT_MS;
+    g->failed_here = cfg->failed_here;
+    g->failed_ctx = cfg->failed_ctx;
 
     ncclUniqueId id;
     comm_err err = nccl_alloc(g);

@@ -94,7 +94,9 @@ group_err group_connect(group *g, const group_env *env, const group_link *link, 
                       .transport = link->transport,
                       .msg = why,
                       .cancelled = link->cancelled,
-                      .cancel_ctx = link->cancel_ctx};
+                      .cancel_ctx = link->cancel_ctx,
+                      .failed_here = link->failed_here,
+                      .failed_ctx = link->failed_ctx};
     comm_err ce = link->cuda ? comm_nccl_init(&cc, &g->comm) : comm_cpu_init(&cc, &g->comm);
     if (ce != COMM_OK) {
         /* The backend says why in cc.msg; the store's last error may add to it. */

@@ -56,6 +56,10 @@ typedef struct group_link {
     /* Optional: 1 when the round being built already ended (comm_config.cancelled). */
     int (*cancelled)(void *ctx);
     void *cancel_ctx;
+    /* Optional: this process's own NCCL failure, said before the teardown
+     * (comm_config.failed_here). */
+    void (*failed_here)(void *ctx, const char *why);
+    void *failed_ctx;
 } group_link;
 
 /* Builds g's store and communicator for its rank, world and round (set by

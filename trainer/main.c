@@ -24,6 +24,7 @@
 #include <math.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -119,12 +120,13 @@ typedef struct trainer {
     int64_t own_samples; /* this process's share, in all: told to the agent */
     char *records;       /* sample records not yet committed */
     size_t nrecords, caprecords;
-    int lost;                  /* the first group could not form for want of a peer or the store */
-    elastic *el;               /* under ductile-agent: its control channel (elastic.c) */
-    int has_state;             /* trained, synced or resumed: a claim in the agreement */
-    int dev_current;           /* on a GPU: the device holds the state, the host copy is stale */
-    int64_t state_round;       /* the round that state was made in */
-    char why[TRAINER_MSG_MAX]; /* the last failure of a step or a sync, for the agent */
+    int lost; /* the first group could not form for want of a peer or the store */
+    _Atomic int64_t said_failed; /* the round whose own failure the comm already reported, or 0 */
+    elastic *el;                 /* under ductile-agent: its control channel (elastic.c) */
+    int has_state;               /* trained, synced or resumed: a claim in the agreement */
+    int dev_current;             /* on a GPU: the device holds the state, the host copy is stale */
+    int64_t state_round;         /* the round that state was made in */
+    char why[TRAINER_MSG_MAX];   /* the last failure of a step or a sync, for the agent */
 } trainer;
 
 /* Rank 0's progress lines, at info level on stdout (scripts read them there;
@@ -545,14 +547,29 @@ static int pick_device(trainer *t)
     return 0;
 }
 
-/* How this process joins a group: the options' address, deadline and device. */
-static group_link group_link_of(const options *o)
+/* The communicator failed by this process's own NCCL error, on whatever
+ * thread found it, before its teardown: under an agent the failure goes on
+ * the control channel now, so it is on record before any peer sees the
+ * connections close (and report_failure does not say it again). */
+static void comm_failed_here(void *ctx, const char *why)
 {
+    trainer *t = ctx;
+    if (!t->el) return;
+    atomic_store(&t->said_failed, t->g.round);
+    elastic_report_failed(t->el, why);
+}
+
+/* How this process joins a group: the options' address, deadline and device. */
+static group_link group_link_of(trainer *t)
+{
+    const options *o = &t->o;
     return (group_link){.host = o->host,
                         .timeout_ms = o->comm_timeout_ms,
                         .cuda = o->device == DEVICE_CUDA,
                         .transport = (comm_transport)o->comm,
-                        .device = o->gpu};
+                        .device = o->gpu,
+                        .failed_here = comm_failed_here,
+                        .failed_ctx = t};
 }
 
 /* The first group: rank, world and round as the environment says. */
@@ -563,7 +580,7 @@ static int group_join(trainer *t)
                    .world = t->env.world,
                    .local_world = t->env.local_world,
                    .round = t->env.round};
-    group_link link = group_link_of(&t->o);
+    group_link link = group_link_of(t);
     group_err e = group_connect(&t->g, &t->env, &link, msg);
     if (e == GROUP_OK) return 0;
     t->lost = e == GROUP_ERR_PEER;
@@ -707,6 +724,7 @@ static int elastic_start(trainer *t)
 static void report_failure(trainer *t, int peer, const char *why)
 {
     if (elastic_ending(t->el)) return;
+    if (!peer && atomic_load(&t->said_failed) == t->g.round) return; /* comm_failed_here said it */
     if (peer)
         elastic_report_peer_lost(t->el, t->g.round, why);
     else
@@ -747,7 +765,7 @@ static int peer_gone(const trainer *t)
 static loop_state trainer_regroup(trainer *t, const char *why)
 {
     char msg[TRAINER_MSG_MAX];
-    group_link link = group_link_of(&t->o);
+    group_link link = group_link_of(t);
     /* A rebuild gives up as soon as the agent says its round already ended. */
     link.cancelled = elastic_cancelled;
     link.cancel_ctx = t->el;

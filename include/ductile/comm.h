@@ -71,6 +71,12 @@ typedef struct comm_config {
      * in-place rebuild's control thread answers it), so no peer is coming. */
     int (*cancelled)(void *ctx);
     void *cancel_ctx;
+    /* Optional (NCCL): called once, from the thread that found it, when the
+     * communicator fails by this process's own NCCL error (not a peer's,
+     * not CUDA's), before it is torn down: the caller says so first, so its
+     * failure is on record before any peer sees the connections close. */
+    void (*failed_here)(void *ctx, const char *why);
+    void *failed_ctx;
 } comm_config;
 
 typedef struct comm comm;
