@@ -348,7 +348,7 @@ static rt_op *queued_user(const block *b, cudaStream_t *on)
     return NULL;
 }
 
-static int settle(cudaStream_t s);
+static cudaStream_t device_busy(void);
 
 static cudaError_t free_block(void *p, rt_mem kind, const char *call)
 {
@@ -379,9 +379,7 @@ static cudaError_t free_block(void *p, rt_mem kind, const char *call)
      * wait that would never end on a GPU is reported, not waited out. */
     int64_t until = mono_now_ms() + RT_FREE_WAIT_MS;
     for (;;) {
-        cudaStream_t busy = NULL;
-        for (cudaStream_t s = all_streams; s && !sticky; s = s->next_all)
-            if (!s->destroyed && !settle(s) && !busy) busy = s;
+        cudaStream_t busy = device_busy();
         if (!busy) break;
         if (mono_now_ms() >= until) {
             const char *what = busy->head ? busy->head->name : "work";
@@ -790,17 +788,26 @@ cudaError_t cudaStreamQuery(cudaStream_t s)
     return e == cudaErrorNotReady ? e : ret(e);
 }
 
+/* Under mu: runs every live stream as far as it goes; the first one that
+ * still has work, or NULL when the device is idle (or poisoned: nothing
+ * runs any more). */
+static cudaStream_t device_busy(void)
+{
+    cudaStream_t busy = NULL;
+    for (cudaStream_t s = all_streams; s && !sticky; s = s->next_all)
+        if (!s->destroyed && !settle(s) && !busy) busy = s;
+    return busy;
+}
+
 cudaError_t cudaDeviceSynchronize(void)
 {
     rt_call("cuda", "cudaDeviceSynchronize");
     host_synced();
     for (;;) {
         rt_lock();
-        int done = 1;
-        for (cudaStream_t s = all_streams; s; s = s->next_all)
-            if (!s->destroyed && !settle(s)) done = 0;
+        int done = device_busy() == NULL;
         rt_unlock();
-        if (done || sticky) return ret(sticky);
+        if (done) return ret(sticky);
         pause_briefly();
     }
 }

@@ -1598,30 +1598,21 @@ static void nc_job_launch(nc_job *j)
     for (int i = 0; i < j->n; i++)
         if (j->item[i].work.sh) j->item[k++] = j->item[i];
     j->n = k;
-    nc_shared **held = malloc(sizeof(*held) * (size_t)(k ? k : 1));
-    cudaStream_t *streams = malloc(sizeof(*streams) * (size_t)(k ? k : 1));
-    if (!held || !streams) rt_die("out of memory launching %s", j->item[0].name);
-    for (int i = 0; i < k; i++) {
-        held[i] = j->item[i].work.sh;
-        streams[i] = j->item[i].stream;
-        nc_ref(held[i]); /* the flush hands each item's reference on */
-    }
+    /* The flush hands each item's reference on to its op; one more each
+     * keeps the comms here until they are told the call settled. */
+    for (int i = 0; i < k; i++)
+        nc_ref(j->item[i].work.sh);
     rt_set_launcher(1);
     ncclResult_t r = k > 0 ? nc_group_flush(j->item, k) : ncclSuccess;
     rt_set_launcher(0);
-    /* The flush took the items' references: the comms' own are in held. */
-    for (int i = 0; i < k; i++)
-        j->item[i].work.sh = held[i];
     for (int i = 0; i < k; i++) {
-        rt_stream_hold(streams[i], -1, NULL);
+        rt_stream_hold(j->item[i].stream, -1, NULL);
         if (r != ncclSuccess)
-            nc_fail(held[i], r, "launching %s: %s", j->item[0].name, nc_tls_reason);
+            nc_fail(j->item[i].work.sh, r, "launching %s: %s", j->item[0].name, nc_tls_reason);
     }
     nc_job_mark(j, NULL); /* settled: ncclCommGetAsyncError says so from now on */
     for (int i = 0; i < k; i++)
-        nc_unref(held[i]);
-    free(held);
-    free(streams);
+        nc_unref(j->item[i].work.sh);
 }
 
 static void *nc_launcher(void *arg)
