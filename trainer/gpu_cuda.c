@@ -61,7 +61,7 @@ struct gpu_ctx {
     int32_t *argmax[MODEL_MAX_LAYERS];
     float *col, *dcol, *dwtmp;
     float *probs;
-    double *loss, *hloss; /* per sample: device; pinned host, GPU_LOSS_SLOTS batches */
+    double *loss, *hloss; /* per sample: device; pinned, GPU_LOSS_SLOTS + 1 batches */
     int loss_n;           /* micro-batches whose losses were queued (gpu_loss_queue) */
     int loss_count[GPU_LOSS_SLOTS];
     float *hword;         /* pinned: one float read back (gpu_read) */
@@ -353,7 +353,7 @@ static int alloc_mirror(gpu_ctx *g, model *m)
         !(g->grads = dalloc(g, sizeof(float) * m->nfloats)) ||
         !(g->probs = dalloc(g, sizeof(float) * m->cfg.classes * mb)) ||
         !(g->loss = dalloc(g, sizeof(double) * mb)) ||
-        !(g->hloss = halloc(g, sizeof(double) * mb * GPU_LOSS_SLOTS)) ||
+        !(g->hloss = halloc(g, sizeof(double) * mb * (GPU_LOSS_SLOTS + 1))) ||
         !(g->hword = halloc(g, sizeof(float))) ||
         !(g->hlogits = halloc(g, sizeof(float) * m->cfg.classes * mb)))
         return -1;
@@ -590,22 +590,41 @@ const float *gpu_forward(model *m, int batch)
     return g->out[m->nlayers - 1];
 }
 
-double gpu_loss(model *m, int batch)
+/* The per-sample losses of the last forward, queued into pinned slot
+ * `slot` (GPU_LOSS_SLOTS of them for a step's queued micro-batches, one
+ * more, the last, for gpu_loss). */
+static double *loss_to_host(gpu_ctx *g, model *m, int batch, int slot)
 {
-    gpu_ctx *g = m->dev;
+    double *to = g->hloss + (size_t)slot * (size_t)m->max_batch;
     kern_ok(g,
             kern_softmax_xent_forward(g->probs, g->loss, g->out[m->nlayers - 1], g->dy[g->cur],
                                       batch, m->cfg.classes, g->compute),
             "softmax");
-    cuda_ok(g,
-            cudaMemcpyAsync(g->hloss, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost,
-                            g->compute),
-            "loss copy");
+    cuda_ok(
+        g, cudaMemcpyAsync(to, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost, g->compute),
+        "loss copy");
+    /* The kernel read the slot's labels: its next batch copy waits for it
+     * too (forward's mark is before it; a loss with no backward after it
+     * would otherwise race the copy). */
+    cuda_ok(g, cudaEventRecord(g->consumed[g->cur], g->compute), "event");
+    return to;
+}
+
+static double sum_of(const double *v, int n)
+{
+    double s = 0.0;
+    for (int i = 0; i < n; i++)
+        s += v[i];
+    return s;
+}
+
+double gpu_loss(model *m, int batch)
+{
+    gpu_ctx *g = m->dev;
+    /* Its own slot: the step's queued losses are not yet read. */
+    const double *from = loss_to_host(g, m, batch, GPU_LOSS_SLOTS);
     if (gpu_sync(g, NULL) != 0) return NAN;
-    double loss = 0.0;
-    for (int i = 0; i < batch; i++)
-        loss += g->hloss[i];
-    return loss;
+    return sum_of(from, batch);
 }
 
 void gpu_loss_queue(model *m, int batch)
@@ -615,14 +634,7 @@ void gpu_loss_queue(model *m, int batch)
         fail(g, "gpu_loss_queue: more than %d micro-batches in a step", GPU_LOSS_SLOTS);
         return;
     }
-    double *to = g->hloss + (size_t)g->loss_n * (size_t)m->max_batch;
-    kern_ok(g,
-            kern_softmax_xent_forward(g->probs, g->loss, g->out[m->nlayers - 1], g->dy[g->cur],
-                                      batch, m->cfg.classes, g->compute),
-            "softmax");
-    cuda_ok(
-        g, cudaMemcpyAsync(to, g->loss, sizeof(double) * batch, cudaMemcpyDeviceToHost, g->compute),
-        "loss copy");
+    loss_to_host(g, m, batch, g->loss_n);
     g->loss_count[g->loss_n++] = batch;
 }
 
@@ -630,12 +642,8 @@ int gpu_loss_take(model *m, double *loss, int max)
 {
     gpu_ctx *g = m->dev;
     int n = g->loss_n < max ? g->loss_n : max;
-    for (int i = 0; i < n; i++) {
-        const double *from = g->hloss + (size_t)i * (size_t)m->max_batch;
-        loss[i] = 0.0;
-        for (int j = 0; j < g->loss_count[i]; j++)
-            loss[i] += from[j];
-    }
+    for (int i = 0; i < n; i++)
+        loss[i] = sum_of(g->hloss + (size_t)i * (size_t)m->max_batch, g->loss_count[i]);
     g->loss_n = 0;
     return n;
 }

@@ -9,7 +9,10 @@
  * give exactly the parameters of the same GPU run without a communicator (a one-rank all-reduce is
  * a copy), with and without overlap, and the CPU run's parameters within 1e-3 (relative L2 and max:
  * float rounding in cuBLAS vs OpenBLAS summation order, compounded over 20 steps). Then an aborted
- * communicator must fail the next step at once, not hang it.
+ * communicator must fail the next step at once, not hang it. Last, a
+ * step's losses read without a sync each (gpu_loss_queue, as ductile-train
+ * does, up to GPU_LOSS_SLOTS micro-batches, then model_loss) equal the
+ * losses read one sync at a time.
  *
  * Several ranks cannot be exercised with one GPU: test_gpu_ddp_ranks runs
  * them on the host test runtime (every rank its own process and "device").
@@ -22,6 +25,7 @@
 #include "ductile/comm.h"
 #include "ductile/data.h"
 #include "ductile/ddp.h"
+#include "gpu.h"
 #include "gpu_test.h"
 #include "ductile/model.h"
 #include "ductile/optim.h"
@@ -145,6 +149,50 @@ out:
     return rc;
 }
 
+/* Micro-batch i's input and labels, into the model's staging slot. */
+static void fill_batch(model *m, int i)
+{
+    size_t in = (size_t)m->cfg.in_c * m->cfg.in_h * m->cfg.in_w;
+    for (size_t j = 0; j < in * BATCH; j++)
+        m->x[j] = (float)((i * 31 + (int)j) % 17) / 17.0f;
+    for (int j = 0; j < BATCH; j++)
+        m->y[j] = (uint8_t)((i + j) % m->cfg.classes);
+}
+
+/* One more micro-batch than the queue holds: the queued ones and the one
+ * read with a sync must all be the losses a sync each gives. */
+static int test_queued_losses(void)
+{
+    enum { N = GPU_LOSS_SLOTS + 1 };
+    model *m = NULL;
+    char msg[256];
+    double want[N], got[N];
+    CHECK_OR_RETURN(model_create(&cfg, BATCH, &m, msg) == 0, "model: %s", msg);
+    model_init_params(m, 5);
+    CHECK_OR_RETURN(gpu_attach(m, 0, msg) == 0, "attach: %s", msg);
+    for (int i = 0; i < N; i++) {
+        fill_batch(m, i);
+        model_forward(m, BATCH);
+        want[i] = model_loss(m, BATCH);
+    }
+    for (int i = 0; i < N; i++) {
+        fill_batch(m, i);
+        model_forward(m, BATCH);
+        if (i < GPU_LOSS_SLOTS)
+            gpu_loss_queue(m, BATCH);
+        else
+            got[i] = model_loss(m, BATCH); /* its own sync, as past the queue in train_step */
+    }
+    CHECK(gpu_status(m, msg) == 0, "%s", msg);
+    CHECK(gpu_loss_take(m, got, GPU_LOSS_SLOTS) == GPU_LOSS_SLOTS);
+    for (int i = 0; i < N; i++)
+        CHECK(got[i] == want[i], "micro-batch %d: loss %.9g queued, %.9g read at once", i, got[i],
+              want[i]);
+    gpu_detach(m);
+    model_free(m);
+    return 0;
+}
+
 int main(void)
 {
     gpu_test_require();
@@ -166,5 +214,6 @@ int main(void)
     gpu_test_near("gpu+nccl vs cpu", p[RUN_NCCL], p[RUN_CPU], n, 1e-3);
     for (int k = 0; k < 4; k++)
         free(p[k]);
+    CHECK(test_queued_losses() == 0, "queued losses: could not set up");
     return check_finish("test_gpu_ddp");
 }
