@@ -65,6 +65,16 @@ static int entry_parse(const char *v, size_t len, choose_entry *e)
                : 0;
 }
 
+/* The line of a round with a CPU rank among CUDA ranks, into v (len). */
+static void mixed_line(char *v, size_t len, int cpu, const char *cpu_node, int cuda,
+                       const char *cuda_node)
+{
+    snprintf(v, len,
+             "rank %d (node %.40s) has no CUDA device and trains on the CPU, rank %d (node "
+             "%.40s) on CUDA: a round's ranks must share one device",
+             cpu, cpu_node, cuda, cuda_node);
+}
+
 /* Rank 0: the verdict for the round from every rank's entry, into v
  * (COMM_MSG_MAX + 12 * world bytes). */
 static void choose_verdict(const choose_entry *e, int w, int *host_of, int *count, char *v)
@@ -78,10 +88,9 @@ static void choose_verdict(const choose_entry *e, int w, int *host_of, int *coun
         }
     }
     if (cuda >= 0 && cpu >= 0) {
-        snprintf(v, COMM_MSG_MAX,
-                 REFUSED "rank %d (node %.40s) has no CUDA device and trains on the CPU, rank %d "
-                         "(node %.40s) on CUDA: a round's ranks must share one device",
-                 cpu, e[cpu].node, cuda, e[cuda].node);
+        strcpy(v, REFUSED);
+        mixed_line(v + strlen(REFUSED), COMM_MSG_MAX - strlen(REFUSED), cpu, e[cpu].node, cuda,
+                   e[cuda].node);
         return;
     }
     size_t k = (size_t)sprintf(v, "hosts");
@@ -220,9 +229,10 @@ comm_err comm_choose_nccl(comm *c, const comm_config *cfg)
                          : comm_store_error(c, cfg->store, re, "publishing the transport");
 }
 
-int comm_choose_refused(const char *v, size_t len)
+const char *comm_choose_refused(const char *v, size_t len)
 {
-    return len >= strlen(REFUSED) && strncmp(v, REFUSED, strlen(REFUSED)) == 0;
+    size_t k = strlen(REFUSED);
+    return len >= k && strncmp(v, REFUSED, k) == 0 ? v + k : NULL;
 }
 
 comm_err comm_choose(comm *c, const comm_config *cfg, int64_t deadline, int **host_of)
@@ -237,16 +247,15 @@ comm_err comm_choose(comm *c, const comm_config *cfg, int64_t deadline, int **ho
     size_t len = 0;
     rdzv_err re = rdzv_store_wait(cfg->store, "transport", ring_ms_left(deadline), &val, &len);
     if (re != RDZV_OK) return comm_store_error(c, cfg->store, re, "waiting for rank 0's transport");
-    const char *v = val;
+    const char *v = val, *why = NULL;
     if (len > COMM_MSG_MAX + 12 * (size_t)cfg->world_size || memchr(v, '\0', len)) {
         err = comm_fail(c, COMM_ERR_STORE, "malformed transport in the round store");
-    } else if (comm_choose_refused(v, len)) {
-        err = comm_fail(c, COMM_ERR_ARG, "%s", v + strlen(REFUSED));
+    } else if ((why = comm_choose_refused(v, len))) {
+        err = comm_fail(c, COMM_ERR_ARG, "%s", why);
     } else if (strncmp(v, "nccl ", 5) == 0) {
-        err = comm_fail(c, COMM_ERR_ARG,
-                        "rank %d (node %.40s) has no CUDA device and trains on the CPU, rank 0 "
-                        "(node %.40s) on CUDA: a round's ranks must share one device",
-                        cfg->rank, me.node, v + 5);
+        char line[COMM_MSG_MAX];
+        mixed_line(line, sizeof(line), cfg->rank, me.node, 0, v + 5);
+        err = comm_fail(c, COMM_ERR_ARG, "%s", line);
     } else if (strcmp(v, "ring") != 0) {
         *host_of = malloc(sizeof(int) * (size_t)cfg->world_size);
         if (!*host_of)

@@ -61,10 +61,10 @@ comm_err comm_choose(comm *c, const comm_config *cfg, int64_t deadline, int **ho
 /* A CUDA rank: publishes its entry; rank 0 also publishes "transport"
  * ("nccl NODE"), so a CPU rank of the round stops at once. */
 comm_err comm_choose_nccl(comm *c, const comm_config *cfg);
-/* 1 when a store value (the NCCL id a CUDA rank waits for) is a CPU rank
- * 0's refusal of the round: "refused REASON". */
-int comm_choose_refused(const char *v, size_t len);
-#define COMM_REFUSED_PREFIX_LEN 8 /* strlen("refused ") */
+/* When a store value of len bytes (the NCCL id a CUDA rank waits for) is a
+ * CPU rank 0's refusal of the round, "refused REASON": REASON (the value
+ * ends there); else NULL. */
+const char *comm_choose_refused(const char *v, size_t len);
 
 /* Fills the shared part of a new comm. */
 void comm_base_init(comm *c, const comm_ops *ops, int rank, int world_size);

@@ -453,10 +453,10 @@ static comm_err nccl_share_id(nccl_comm *g, const comm_config *cfg, ncclUniqueId
     size_t len = 0;
     rdzv_err e = rdzv_store_wait(cfg->store, "nccl/id", g->timeout_ms, &val, &len);
     if (e != RDZV_OK) return comm_store_error(&g->base, cfg->store, e, "waiting for the NCCL id");
-    if (comm_choose_refused(val, len)) {
-        comm_err err =
-            comm_fail(&g->base, COMM_ERR_ARG, "%.*s", (int)(len - COMM_REFUSED_PREFIX_LEN),
-                      (const char *)val + COMM_REFUSED_PREFIX_LEN);
+    const char *why = comm_choose_refused(val, len);
+    if (why) {
+        comm_err err = comm_fail(&g->base, COMM_ERR_ARG, "%.*s",
+                                 (int)(len - (size_t)(why - (const char *)val)), why);
         free(val);
         return err;
     }

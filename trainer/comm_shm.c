@@ -28,10 +28,12 @@
  * Bootstrap (comm_cpu_init): rank 0 chooses for the round from what every
  * rank publishes (comm_choose.c: its device, node and host, the boot id
  * and network namespace that say "same kernel, same abstract socket
- * namespace"), and every rank follows. One host: shared memory alone; a host each: the ring; else
- * both (comm_hier.c). A host's leader (its lowest rank) makes the segment, listens on an abstract
- * AF_UNIX socket (a random name, so rounds and jobs never collide; abstract names vanish with the
- * process) and publishes it with a nonce as "shm/<host>"; each other rank of the host connects,
+ * namespace"), and every rank follows. One host: shared memory alone; a
+ * host each: the ring; else both (comm_hier.c). A host's leader (its lowest
+ * rank) makes the segment, listens on an abstract AF_UNIX socket (a random
+ * name, so rounds and jobs never collide; abstract names vanish with the
+ * process) and publishes it with a nonce as "shm/<host>"; each other rank
+ * of the host connects,
  * proves it read the store by echoing the nonce, and gets back by
  * SCM_RIGHTS the memfd and its ends of the socket pairs. The connection to
  * the leader is that pair's liveness socket.

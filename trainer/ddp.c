@@ -15,8 +15,9 @@
  * backward. The thread queues each bucket behind the last without waiting
  * for it (comm_allreduce_sum_f32_start), so buckets pipeline on NCCL's
  * stream as PyTorch's Reducer's do, and waits once, after the last; the
- * stop flag then comes back in the step's one host sync (ddp_finish). Host buffers (the state sync)
- * go to the communicator as they are, whichever backend: NCCL stages host memory itself.
+ * stop flag then comes back in the step's one host sync (ddp_finish).
+ * Host buffers (the state sync) go to the communicator as they are,
+ * whichever backend: NCCL stages host memory itself.
  */
 #include "ductile/ddp.h"
 #include "gpu.h"
