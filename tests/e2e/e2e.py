@@ -585,12 +585,17 @@ def sc_local_nccl_repeat(env, mode, ref):
         job.cleanup()
 
 
+def two_gpu_job(env, name, mode):
+    """A job of nodes with two workers and two GPUs each."""
+    return env.job(name + "-" + mode, mode, max_restarts=0, epochs=FAULT_EPOCHS,
+                   agent_args=["--nproc-per-node", "2"],
+                   agent_env={"DUCTILE_GPURT_DEVICES": "2"})
+
+
 def sc_local_ranks(env, mode, ref):
     # Two workers a node, two GPUs a node: each local rank on its own device
     # (LOCAL_RANK), as on a real node; then a node lost and one joining.
-    job = env.job("local-ranks-" + mode, mode, max_restarts=0, epochs=FAULT_EPOCHS,
-                  agent_args=["--nproc-per-node", "2"],
-                  agent_env={"DUCTILE_GPURT_DEVICES": "2"})
+    job = two_gpu_job(env, "local-ranks", mode)
     try:
         job.start()
         job.start()
@@ -608,9 +613,7 @@ def sc_visible_one(env, mode, ref):
     # device plugin or a launcher does): it uses device 0, whatever its
     # LOCAL_RANK, and the two are different GPUs, which NCCL accepts.
     pin = ["sh", "-c", 'export CUDA_VISIBLE_DEVICES="$LOCAL_RANK"; exec "$@"', "pin"]
-    job = env.job("visible-one-" + mode, mode, max_restarts=0, epochs=FAULT_EPOCHS,
-                  agent_args=["--nproc-per-node", "2"],
-                  agent_env={"DUCTILE_GPURT_DEVICES": "2"})
+    job = two_gpu_job(env, "visible-one", mode)
     try:
         job.start(worker_prefix=pin)
         job.start(worker_prefix=pin)
