@@ -579,7 +579,8 @@ def sc_local_nccl_repeat(env, mode, ref):
         job.finish(240, expect_fail=tuple(job.agents))
         for a in job.agents.values():
             check(a.proc.returncode != 0, "agent %s exited 0 after the budget ran out" % a.name)
-        check(any("restart limit 2 reached" in a.text() for a in job.agents.values()),
+        check(any(re.search(r"restart limit (2 reached|reached \(3 > max_restarts 2\))", a.text())
+                  for a in job.agents.values()),
               "no agent said the restart limit was reached")
     finally:
         job.cleanup()
