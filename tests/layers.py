@@ -4,7 +4,8 @@
 Each source folder may include its own private headers and the public
 headers (include/ductile/) of its own layer and the layers below it:
 
-    common      clock.h log.h control.h
+    common      clock.h log.h
+    control     + control.h (the agent-worker protocol)
     rendezvous  + etcd.h rdzv.h failpoint.h
     agent       + (nothing of the trainer's)
     trainer     + comm.h ddp.h elastic.h model.h layers.h optim.h data.h ckpt.h
@@ -20,16 +21,17 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER_OF = {  # public header -> its layer
-    "clock.h": "common", "log.h": "common", "control.h": "common",
+    "clock.h": "common", "log.h": "common", "control.h": "control",
     "etcd.h": "rendezvous", "rdzv.h": "rendezvous", "failpoint.h": "rendezvous",
     "comm.h": "trainer", "ddp.h": "trainer", "elastic.h": "trainer", "model.h": "trainer",
     "layers.h": "trainer", "optim.h": "trainer", "data.h": "trainer", "ckpt.h": "trainer",
 }
 BELOW = {  # what each layer may use, itself included
     "common": {"common"},
-    "rendezvous": {"common", "rendezvous"},
-    "agent": {"common", "rendezvous", "agent"},
-    "trainer": {"common", "rendezvous", "trainer"},
+    "control": {"common", "control"},
+    "rendezvous": {"common", "control", "rendezvous"},
+    "agent": {"common", "control", "rendezvous", "agent"},
+    "trainer": {"common", "control", "rendezvous", "trainer"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -53,7 +55,7 @@ def check_file(path, layer, own_dir, bad):
 
 def main():
     bad, n = [], 0
-    for folder in ("common", "rendezvous", "agent", "trainer"):
+    for folder in ("common", "control", "rendezvous", "agent", "trainer"):
         d = os.path.join(ROOT, folder)
         for f in sorted(os.listdir(d)):
             if f.endswith((".c", ".h", ".cu")):

@@ -94,18 +94,15 @@
  * rebuild its group. The agent also passes on its etcd credentials
  * (CTL_ENV_CREDENTIALS) and DUCTILE_WORKER_FAILPOINTS as DUCTILE_FAILPOINTS.
  *
- * The helpers below are static inline so that a worker needs only this file.
+ * The line parser and formatter are libductile-control (control/): a C
+ * worker links it; python/ductile/control.py speaks the same lines, and
+ * tests/control/wire_cases.txt is the wire format both sides are tested on.
  */
 #ifndef DUCTILE_CONTROL_H
 #define DUCTILE_CONTROL_H
 
-#include <errno.h>
-#include <math.h>
-#include <inttypes.h>
-#include <limits.h>
+#include <stddef.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* The control protocol's version, in `hello`. */
@@ -218,65 +215,10 @@ typedef struct ctl_msg {
 } ctl_msg;
 
 /* Parses one decimal integer word in [min, max]; 0 on success. */
-static inline int ctl_int(const char *word, int64_t min, int64_t max, int64_t *out)
-{
-    if (!word || !*word) return -1;
-    char *end = NULL;
-    errno = 0;
-    long long v = strtoll(word, &end, 10);
-    if (errno || *end || v < min || v > max) return -1;
-    *out = v;
-    return 0;
-}
-
-/* Parses one finite decimal number word; 0 on success. */
-static inline int ctl_double(const char *word, double *out)
-{
-    if (!word || !*word) return -1;
-    char *end = NULL;
-    errno = 0;
-    double v = strtod(word, &end);
-    if (errno || *end || !isfinite(v)) return -1;
-    *out = v;
-    return 0;
-}
-
-/* Parses the optional fields of `step` (words w[0..nw)); 0 on success. */
-static inline int ctl_step_fields(char **w, int nw, ctl_msg *m)
-{
-    if (nw % 2) return -1;
-    for (int i = 0; i < nw; i += 2) {
-        if (strcmp(w[i], "samples") == 0 && !m->has_samples) {
-            if (ctl_int(w[i + 1], 0, INT64_MAX, &m->samples)) return -1;
-            m->has_samples = 1;
-        } else if (strcmp(w[i], "loss") == 0 && !m->has_loss) {
-            if (ctl_double(w[i + 1], &m->loss)) return -1;
-            m->has_loss = 1;
-        } else {
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* Copies src into dst[len]; -1 when it does not fit. */
-static inline int ctl_copy(char *dst, size_t len, const char *src)
-{
-    size_t n = strlen(src);
-    if (n >= len) return -1;
-    memcpy(dst, src, n + 1);
-    return 0;
-}
+int ctl_int(const char *word, int64_t min, int64_t max, int64_t *out);
 
 /* 1 when name is a valid phase name: [a-z_]{1,31}. */
-static inline int ctl_phase_valid(const char *name)
-{
-    size_t n = strlen(name);
-    if (n == 0 || n >= CTL_PHASE_MAX) return 0;
-    for (size_t i = 0; i < n; i++)
-        if (!((name[i] >= 'a' && name[i] <= 'z') || name[i] == '_')) return 0;
-    return 1;
-}
+int ctl_phase_valid(const char *name);
 
 /* 1 when a worker in this phase waits on other processes (comm, rebuild). */
 static inline int ctl_phase_waits(const char *name)
@@ -285,148 +227,11 @@ static inline int ctl_phase_waits(const char *name)
 }
 
 /* Parses one line (with or without its '\n'). Returns 0 and fills *m, or -1
- * when the line is not a valid message. */
-static inline int ctl_parse(const char *line, ctl_msg *m)
-{
-    memset(m, 0, sizeof(*m));
-    char buf[CTL_MAX_LINE + 1];
-    size_t n = strlen(line);
-    if (n > CTL_MAX_LINE) return -1;
-    memcpy(buf, line, n + 1);
-    while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
-        buf[--n] = 0;
-    if (strncmp(buf, "failed", 6) == 0 && (buf[6] == ' ' || buf[6] == 0)) {
-        m->type = CTL_FAILED;
-        return ctl_copy(m->reason, sizeof(m->reason), buf[6] ? buf + 7 : "");
-    }
-    if (strncmp(buf, "peer_lost ", 10) == 0) {
-        char *sp = strchr(buf + 10, ' ');
-        if (sp) *sp = 0;
-        if (ctl_int(buf + 10, 0, INT64_MAX, &m->round)) return -1;
-        m->type = CTL_PEER_LOST;
-        return ctl_copy(m->reason, sizeof(m->reason), sp ? sp + 1 : "");
-    }
-    char *w[12];
-    int nw = 0;
-    char *save = NULL;
-    for (char *t = strtok_r(buf, " ", &save); t; t = strtok_r(NULL, " ", &save)) {
-        if (nw == 12) return -1;
-        w[nw++] = t;
-    }
-    if (nw == 0) return -1;
-    int64_t v[8];
-    if (strcmp(w[0], "ready") == 0 && nw == 1) {
-        m->type = CTL_READY;
-    } else if (strcmp(w[0], "stop") == 0 && nw == 1) {
-        m->type = CTL_STOP;
-    } else if (strcmp(w[0], "step") == 0 && nw >= 2) {
-        if (ctl_int(w[1], 0, INT64_MAX, &m->step) || ctl_step_fields(w + 2, nw - 2, m)) return -1;
-        m->type = CTL_STEP;
-    } else if (strcmp(w[0], "phase") == 0 && nw == 2) {
-        if (!ctl_phase_valid(w[1])) return -1;
-        memcpy(m->phase, w[1], strlen(w[1]) + 1);
-        m->type = CTL_PHASE;
-    } else if (strcmp(w[0], "hello") == 0 && (nw == 2 || nw == 3)) {
-        /* Any version parses, so that a mismatch is told apart from noise. */
-        if (ctl_int(w[1], 1, INT_MAX, &v[0])) return -1;
-        if (nw == 3 && strcmp(w[2], "inplace") == 0)
-            m->mode = CTL_MODE_INPLACE;
-        else if (nw == 3 && strcmp(w[2], "restart") == 0)
-            m->mode = CTL_MODE_RESTART;
-        else if (nw == 3)
-            return -1;
-        m->version = (int)v[0];
-        m->type = CTL_HELLO;
-    } else if (strcmp(w[0], "abort") == 0 && (nw == 2 || nw == 3)) {
-        if (ctl_int(w[1], 0, INT64_MAX, &m->round)) return -1;
-        if (nw == 3 && strcmp(w[2], "graceful") == 0)
-            m->graceful = 1;
-        else if (nw == 3 && strcmp(w[2], "lost") != 0)
-            return -1;
-        m->type = CTL_ABORT;
-    } else if (strcmp(w[0], "round") == 0 && nw == 11) {
-        if (ctl_int(w[1], 0, INT64_MAX, &v[0]) || ctl_int(w[2], 0, INT_MAX, &v[1]) ||
-            ctl_int(w[3], 1, INT_MAX, &v[2]) || ctl_int(w[4], 0, INT_MAX, &v[3]) ||
-            ctl_int(w[5], 0, INT_MAX, &v[4]) || ctl_int(w[6], 1, INT_MAX, &v[5]) ||
-            ctl_int(w[7], 0, INT64_MAX, &v[6]) || ctl_int(w[9], 0, 65535, &v[7]))
-            return -1;
-        if (v[1] >= v[2] || v[4] >= v[5]) return -1;
-        if (ctl_copy(m->master_addr, sizeof(m->master_addr), w[8]) ||
-            ctl_copy(m->store_prefix, sizeof(m->store_prefix), w[10]))
-            return -1;
-        m->type = CTL_ROUND;
-        m->round = v[0];
-        m->rank = (int)v[1];
-        m->world_size = (int)v[2];
-        m->local_rank = (int)v[3];
-        m->group_rank = (int)v[4];
-        m->group_world_size = (int)v[5];
-        m->restarts = v[6];
-        m->master_port = (int)v[7];
-    } else {
-        return -1;
-    }
-    return 0;
-}
+ * when the line is not a valid message (control/parse.c). */
+int ctl_parse(const char *line, ctl_msg *m);
 
 /* Formats m as one line with its '\n'. Returns the length, or -1 when it
- * does not fit in len or the message is invalid. */
-static inline int ctl_format(const ctl_msg *m, char *out, size_t len)
-{
-    int n = -1;
-    switch (m->type) {
-    case CTL_ROUND:
-        n = snprintf(out, len, "round %" PRId64 " %d %d %d %d %d %" PRId64 " %s %d %s\n", m->round,
-                     m->rank, m->world_size, m->local_rank, m->group_rank, m->group_world_size,
-                     m->restarts, m->master_addr, m->master_port, m->store_prefix);
-        break;
-    case CTL_ABORT:
-        n = snprintf(out, len, "abort %" PRId64 " %s\n", m->round,
-                     m->graceful ? "graceful" : "lost");
-        break;
-    case CTL_STOP:
-        n = snprintf(out, len, "stop\n");
-        break;
-    case CTL_READY:
-        n = snprintf(out, len, "ready\n");
-        break;
-    case CTL_HELLO: {
-        static const char *const modes[] = {
-            [CTL_MODE_NONE] = "", [CTL_MODE_INPLACE] = " inplace", [CTL_MODE_RESTART] = " restart"};
-        if (m->version < 1 || m->mode < CTL_MODE_NONE || m->mode > CTL_MODE_RESTART) return -1;
-        n = snprintf(out, len, "hello %d%s\n", m->version, modes[m->mode]);
-        break;
-    }
-    case CTL_STEP: {
-        char samples[40] = "", loss[48] = "";
-        if (m->has_samples) {
-            if (m->samples < 0) return -1;
-            snprintf(samples, sizeof(samples), " samples %" PRId64, m->samples);
-        }
-        if (m->has_loss) {
-            if (!isfinite(m->loss)) return -1;
-            snprintf(loss, sizeof(loss), " loss %.9g", m->loss);
-        }
-        n = snprintf(out, len, "step %" PRId64 "%s%s\n", m->step, samples, loss);
-        break;
-    }
-    case CTL_PHASE:
-        if (!ctl_phase_valid(m->phase)) return -1;
-        n = snprintf(out, len, "phase %s\n", m->phase);
-        break;
-    case CTL_FAILED:
-        if (strchr(m->reason, '\n')) return -1;
-        n = snprintf(out, len, "failed %s\n", m->reason);
-        break;
-    case CTL_PEER_LOST:
-        if (strchr(m->reason, '\n')) return -1;
-        n = snprintf(out, len, "peer_lost %" PRId64 " %s\n", m->round, m->reason);
-        break;
-    default:
-        return -1;
-    }
-    if (n < 0 || (size_t)n >= len || n > CTL_MAX_LINE) return -1;
-    return n;
-}
+ * does not fit in len or the message is invalid (control/format.c). */
+int ctl_format(const ctl_msg *m, char *out, size_t len);
 
 #endif

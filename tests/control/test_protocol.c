@@ -1,4 +1,4 @@
-/* test_control.c: the control protocol of ductile/control.h, line by line.
+/* test_protocol.c: the control protocol of ductile/control.h, line by line.
  *
  * Every message survives format -> parse unchanged, and every malformed line
  * (bad numbers, ranks out of range, missing or extra words, overlong lines)
