@@ -1,4 +1,6 @@
-/* control.c: the agent's side of the control channel (control.h).
+/* control.c: the agent's side of the control channel (control.h): its
+ * sockets, line buffers and log. The lines themselves are formatted and
+ * parsed by libductile-control (control/), which ductile-train shares.
  *
  * The agent writes short lines to a non-blocking socket: a line is far below
  * the socket buffer, so a write either goes whole or the worker is not
