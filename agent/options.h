@@ -1,4 +1,5 @@
-/* options.h: the agent's options (options.c).
+/* options.h: the agent's options (options.c: the table; options_parse.c,
+ * options_set.c, options_help.c: parsing, values, --help).
  *
  * Every option is a flag and a DUCTILE_* variable with a default, listed
  * once in options.c's table, which --help prints: defaults first, then the

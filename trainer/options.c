@@ -167,10 +167,13 @@ static int parse_list(const dlog *lg, const char *name, const char *v, int *out,
     }
 }
 
-static int set_option(options *o, int id, const char *name, const char *v, const dlog *lg)
+/* A group's setter returns this for a flag of another group. */
+enum { OPTION_NOT_MINE = 1 };
+
+/* The model: its kind and its sizes. */
+static int set_model(options *o, int id, const char *name, const char *v, const dlog *lg)
 {
     long long i;
-    double f;
     int n;
     switch (id) {
     case 'm':
@@ -190,10 +193,16 @@ static int set_option(options *o, int id, const char *name, const char *v, const
             return bad_value(lg, name, v, "an odd kernel size 1..9");
         o->cfg.kernel = (int)i;
         return 0;
-    case 'e':
-        return parse_int(lg, name, v, 1, 100000, &i) ? -1 : (o->epochs = (int)i, 0);
-    case 'b':
-        return parse_int(lg, name, v, 1, 65536, &i) ? -1 : (o->batch = (int)i, 0);
+    }
+    return OPTION_NOT_MINE;
+}
+
+/* The optimizer and its schedule. */
+static int set_optim(options *o, int id, const char *name, const char *v, const dlog *lg)
+{
+    long long i;
+    double f;
+    switch (id) {
     case 'l':
         return parse_float(lg, name, v, 0, 100, &f) ? -1 : (o->lr = (float)f, 0);
     case 'o':
@@ -211,6 +220,19 @@ static int set_option(options *o, int id, const char *name, const char *v, const
             return bad_value(lg, name, v, "cosine or constant");
         o->cosine = strcmp(v, "cosine") == 0;
         return 0;
+    }
+    return OPTION_NOT_MINE;
+}
+
+/* The run: epochs, batches, data, limits, checkpoints, test files, logs. */
+static int set_run(options *o, int id, const char *name, const char *v, const dlog *lg)
+{
+    long long i;
+    switch (id) {
+    case 'e':
+        return parse_int(lg, name, v, 1, 100000, &i) ? -1 : (o->epochs = (int)i, 0);
+    case 'b':
+        return parse_int(lg, name, v, 1, 65536, &i) ? -1 : (o->batch = (int)i, 0);
     case 's':
         return parse_int(lg, name, v, 0, LLONG_MAX, &i) ? -1 : (o->seed = (uint64_t)i, 0);
     case 'd':
@@ -221,8 +243,6 @@ static int set_option(options *o, int id, const char *name, const char *v, const
     case 'j':
         o->summary = v;
         return 0;
-    case 'B':
-        return parse_float(lg, name, v, 0.0001, 4096, &f) ? -1 : (o->bucket_cap_mb = f, 0);
     case 'a':
         return parse_int(lg, name, v, 1, 65536, &i) ? -1 : (o->accumulate = (int)i, 0);
     case 'c':
@@ -240,6 +260,22 @@ static int set_option(options *o, int id, const char *name, const char *v, const
     case 'D':
         o->dump_params = v;
         return 0;
+    case 'g':
+        return parse_int(lg, name, v, 1, INT_MAX, &i) ? -1 : (o->log_every = (int)i, 0);
+    case 'F':
+        return dlog_format_parse(v, &o->log_json) ? bad_value(lg, name, v, "text or json") : 0;
+    }
+    return OPTION_NOT_MINE;
+}
+
+/* Gradients between ranks, threads and the device. */
+static int set_comm(options *o, int id, const char *name, const char *v, const dlog *lg)
+{
+    long long i;
+    double f;
+    switch (id) {
+    case 'B':
+        return parse_float(lg, name, v, 0.0001, 4096, &f) ? -1 : (o->bucket_cap_mb = f, 0);
     case 'O':
         o->overlap = DDP_OVERLAP_OFF;
         return 0;
@@ -248,8 +284,6 @@ static int set_option(options *o, int id, const char *name, const char *v, const
         return 0;
     case 't':
         return parse_int(lg, name, v, 0, 1024, &i) ? -1 : (o->threads = (int)i, 0);
-    case 'g':
-        return parse_int(lg, name, v, 1, INT_MAX, &i) ? -1 : (o->log_every = (int)i, 0);
     case 'h':
         o->host = v;
         return 0;
@@ -267,10 +301,18 @@ static int set_option(options *o, int id, const char *name, const char *v, const
             return bad_value(lg, name, v, "auto, cpu or cuda");
         o->device = !strcmp(v, "cuda") ? DEVICE_CUDA : !strcmp(v, "cpu") ? DEVICE_CPU : DEVICE_AUTO;
         return 0;
-    case 'F':
-        return dlog_format_parse(v, &o->log_json) ? bad_value(lg, name, v, "text or json") : 0;
     }
-    return -1;
+    return OPTION_NOT_MINE;
+}
+
+/* One flag's value (id: its long_opts val); -1 once the error is logged. */
+static int set_option(options *o, int id, const char *name, const char *v, const dlog *lg)
+{
+    int rc = set_model(o, id, name, v, lg);
+    if (rc == OPTION_NOT_MINE) rc = set_optim(o, id, name, v, lg);
+    if (rc == OPTION_NOT_MINE) rc = set_run(o, id, name, v, lg);
+    if (rc == OPTION_NOT_MINE) rc = set_comm(o, id, name, v, lg);
+    return rc == OPTION_NOT_MINE ? -1 : rc;
 }
 
 /* Defaults, then DUCTILE_TRAIN_* variables, then flags. 0 ok, 1 help, -1 bad. */
