@@ -11,6 +11,9 @@
  *   rdzv_events.c   the events to the caller, queued by any thread
  *   rdzv_keys.c     the job's keys the handle, driver and reports share
  *   rdzv_driver.c   the driver thread: one protocol step per snapshot
+ *   rdzv_join.c     its steps in an open round: join, watch the one before
+ *   rdzv_freeze.c   the earliest joiner's step: when to freeze, with whom
+ *   rdzv_fence.c    its step in a frozen round: end it, open the next
  *   rdzv_watch.c    what wakes the driver: watch threads and the keep-alive
  *   rdzv_report.c   failures and the end of the job (caller's thread)
  *   probe.c         the registration's liveness probe: a responder thread,
