@@ -1,21 +1,14 @@
-/* etcd_client.c: the client a caller holds, and the one door of its calls.
+/* etcd_client.c: the client a caller holds.
  *
  * An etcd_client is a connection (etcd_conn.c), a deadline per call and a
- * name for failpoints. Every API call builds its JSON request with the
- * helpers at the end of this file and sends it through etcd_client_call(),
- * which checks the failpoint of the call (failpoint.h), refuses a request
- * over etcd's size limit, and hands it to etcd_conn_call() with the
- * client's deadline: so failpoints, limits and deadlines hold for every
- * call alike.
+ * name for failpoints. This file makes and frees it, sets its deadline and
+ * name, and counts its requests; its calls are in etcd_kv.c and
+ * etcd_watch.c, and every unary one goes through etcd_send() (etcd_send.c)
+ * with the client's deadline.
  */
 #include "etcd_internal.h"
 
-#include "ductile/clock.h"
-#include "ductile/failpoint.h"
-
-#include <cjson/cJSON.h>
 #include <curl/curl.h>
-#include <inttypes.h>
 #include <libssh2.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -171,114 +164,4 @@ uint64_t etcd_counts_total(const etcd_counts *counts)
     for (int i = 0; i < ETCD_REQ_KINDS; i++)
         t += __atomic_load_n(&counts->n[i], __ATOMIC_RELAXED);
     return t;
-}
-
-/* The action of failpoint etcd.<client name>.<op> for this call:
- * "unavailable", "ambiguous" (failpoint.h), or NULL. "sleep:MS" stalls the
- * call here and lets it go on; other actions mean nothing here and never
- * fire. */
-const char *etcd_client_failpoint(const etcd_client *c, const char *op)
-{
-    char name[96];
-    snprintf(name, sizeof(name), "etcd.%s.%s", c->name, op);
-    const char *action = failpoint(name);
-    if (failpoint_sleep(action)) return NULL;
-    if (action && strcmp(action, "unavailable") != 0 && strcmp(action, "ambiguous") != 0)
-        return NULL;
-    return action;
-}
-
-/* A failpoint "unavailable": the call fails before it is sent. */
-etcd_err etcd_failpoint_unavailable(etcd_client *c, const char *path)
-{
-    etcd_conn_seterr(&c->k, "%s: failpoint: unavailable", path);
-    return ETCD_ERR_UNAVAILABLE;
-}
-
-/* A failpoint "ambiguous": etcd answered, the answer is dropped, and the
- * caller hears what it hears when a connection breaks after sending. */
-etcd_err etcd_failpoint_ambiguous(etcd_client *c, const char *path)
-{
-    etcd_conn_seterr(&c->k, "%s: answer dropped; the request may have been applied (failpoint)",
-                     path);
-    return ETCD_ERR_UNAVAILABLE;
-}
-
-/* Serialize req (consumed) and make the call; op names its failpoint. */
-etcd_err etcd_client_call(etcd_client *c, const char *op, const char *path, cJSON *req,
-                          size_t limit, int flags, etcd_buf *ans)
-{
-    c->k.err[0] = 0;
-    const char *fp = etcd_client_failpoint(c, op);
-    if (fp && strcmp(fp, "unavailable") == 0) {
-        cJSON_Delete(req);
-        return etcd_failpoint_unavailable(c, path);
-    }
-    if (!req) return ETCD_ERR_NOMEM;
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
-    if (!body) return ETCD_ERR_NOMEM;
-    etcd_err e;
-    /* base64 makes JSON about 4/3 of the protobuf etcd limits; leave room */
-    if (strlen(body) > ETCD_MAX_REQUEST_BYTES * 3 / 2 + 4096) {
-        etcd_conn_seterr(&c->k, "%s: request of %zu bytes is over etcd's limit", path,
-                         strlen(body));
-        e = ETCD_ERR_TOO_LARGE;
-    } else {
-        e = etcd_conn_call(&c->k, path, body, limit, flags, mono_now_ms() + c->timeout_ms, ans);
-    }
-    free(body);
-    return e == ETCD_OK && fp ? etcd_failpoint_ambiguous(c, path) : e;
-}
-
-/* ---- request building ---- */
-
-int etcd_add_b64(cJSON *o, const char *name, const void *data, size_t len)
-{
-    char *s = etcd_b64_encode(data, len);
-    if (!s) return 0;
-    int ok = cJSON_AddStringToObject(o, name, s) != NULL;
-    free(s);
-    return ok;
-}
-
-int etcd_add_int64(cJSON *o, const char *name, int64_t v)
-{
-    char s[32];
-    snprintf(s, sizeof(s), "%" PRId64, v);
-    return cJSON_AddStringToObject(o, name, s) != NULL;
-}
-
-/* key, and range_end for a prefix: the prefix with its last byte
- * incremented (bytes 0xff dropped first); "\0" means "to the end". */
-int etcd_add_key_range(cJSON *o, const char *key, int prefix)
-{
-    size_t len = strlen(key);
-    if (!prefix) return etcd_add_b64(o, "key", key, len);
-    if (len == 0) return etcd_add_b64(o, "key", "", 1) && etcd_add_b64(o, "range_end", "", 1);
-    if (!etcd_add_b64(o, "key", key, len)) return 0;
-    char *end = malloc(len);
-    if (!end) return 0;
-    memcpy(end, key, len);
-    size_t n = len;
-    while (n > 0 && (unsigned char)end[n - 1] == 0xff)
-        n--;
-    int ok;
-    if (n == 0) {
-        ok = etcd_add_b64(o, "range_end", "", 1);
-    } else {
-        end[n - 1] = (char)((unsigned char)end[n - 1] + 1);
-        ok = etcd_add_b64(o, "range_end", end, n);
-    }
-    free(end);
-    return ok;
-}
-
-etcd_err etcd_check_key(etcd_client *c, const char *key, int prefix)
-{
-    if (!key || (!*key && !prefix)) {
-        etcd_conn_seterr(&c->k, "empty etcd key");
-        return ETCD_ERR_ARG;
-    }
-    return ETCD_OK;
 }

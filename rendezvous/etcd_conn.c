@@ -1,31 +1,17 @@
-/* etcd_conn.c: one connection to an etcd cluster, and its retry policy.
+/* etcd_conn.c: one connection to an etcd cluster, and one try on it.
  *
  * A connection is a list of endpoints, the TLS files and auth credentials,
- * the auth token once logged in, and one curl easy handle. Every unary call
- * goes through one function, etcd_conn_call(): it POSTs a JSON body to one
- * endpoint with curl timeouts cut from what is left of the call's deadline,
- * and decides from the outcome whether to answer, or to try the next
- * endpoint after an exponential backoff with jitter. Only transient failures
- * are retried (no connection, a reset, HTTP 5xx without a gRPC verdict, gRPC
- * "unavailable", which includes "no leader": every call requires a leader,
- * so a member cut off from its peers refuses it before acting and the call
- * goes on to the next endpoint); a failed compare, a bad request or a missing lease are
- * answers. A request that may have reached etcd is sent again only when doing
- * so cannot change the outcome (ranges, lease calls); for a put, delete or a
- * writing txn a connection lost after sending, or an "unavailable" that etcd
- * gives after proposing ("request timed out", "leader changed"), is
- * reported, not repeated, because repeating it could apply it twice or make
- * a guarded txn fail on its own first write (etcd's clientv3 draws the same
- * line).
+ * the auth token once logged in, and one curl easy handle. etcd_conn_setup
+ * sets what every request carries (the current endpoint's URL, the headers
+ * with the token, TLS, keep-alive) and counts it; etcd_conn_post makes one
+ * POST with it and reports what happened, without judging: whether to
+ * answer, retry or log in again is etcd_send.c's policy.
  *
  * A watch (etcd_watch.c) copies its client's connection and drives its own
- * stream with the same endpoints, setup and error mapping.
+ * stream with the same endpoints and setup.
  */
 #include "etcd_internal.h"
 
-#include "ductile/clock.h"
-
-#include <cjson/cJSON.h>
 #include <curl/curl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -35,14 +21,6 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
-
-static void sleep_ms(int64_t ms)
-{
-    if (ms <= 0) return;
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
 
 /* ---- growing buffer with a cap ---- */
 
@@ -352,257 +330,34 @@ etcd_err etcd_conn_setup(etcd_conn *k, CURL *h, const char *path, struct curl_sl
     return ETCD_OK;
 }
 
-/* A TLS failure is final (retrying cannot fix a certificate). With TLS 1.3
- * a refused client certificate arrives as an alert on the first read, so a
- * read or write error that carries an alert counts too. */
-int etcd_is_tls_error(CURLcode cc, const char *detail)
+/* One POST of body to path on the current endpoint, with curl's timeouts
+ * cut from left ms; the answer goes to ans (at most limit bytes). */
+etcd_err etcd_conn_post(etcd_conn *k, const char *path, const char *body, size_t limit,
+                        int64_t left, etcd_buf *ans, etcd_try *t)
 {
-    if ((cc == CURLE_RECV_ERROR || cc == CURLE_SEND_ERROR) && strstr(detail, " alert ")) return 1;
-    switch (cc) {
-    case CURLE_SSL_CONNECT_ERROR:
-    case CURLE_SSL_CERTPROBLEM:
-    case CURLE_SSL_CIPHER:
-    case CURLE_PEER_FAILED_VERIFICATION:
-    case CURLE_SSL_CACERT_BADFILE:
-    case CURLE_SSL_ENGINE_NOTFOUND:
-    case CURLE_SSL_ENGINE_SETFAILED:
-    case CURLE_SSL_ENGINE_INITFAILED:
-    case CURLE_SSL_SHUTDOWN_FAILED:
-    case CURLE_SSL_CRL_BADFILE:
-    case CURLE_SSL_ISSUER_ERROR:
-    case CURLE_SSL_PINNEDPUBKEYNOTMATCH:
-    case CURLE_SSL_INVALIDCERTSTATUS:
-    case CURLE_SSL_CLIENTCERT:
-    case CURLE_USE_SSL_FAILED:
-        return 1;
-    default:
-        return 0;
-    }
-}
-
-/* What a gRPC status from the gateway means to a caller. */
-etcd_err etcd_map_grpc(int code, const char *msg, int http)
-{
-    switch (code) {
-    case 3: /* InvalidArgument */
-        if (strstr(msg, "authentication failed") || strstr(msg, "user name is empty"))
-            return ETCD_ERR_AUTH;
-        if (strstr(msg, "too large") || strstr(msg, "too many operations"))
-            return ETCD_ERR_TOO_LARGE;
-        return ETCD_ERR_ARG;
-    case 4:
-        return ETCD_ERR_TIMEOUT;
-    case 5:
-        return ETCD_ERR_NOT_FOUND;
-    case 7:
-    case 16:
-        return ETCD_ERR_AUTH;
-    case 8:
-        return strstr(msg, "larger than max") ? ETCD_ERR_TOO_LARGE : ETCD_ERR_SERVER;
-    case 9:
-        return strstr(msg, "auth") ? ETCD_ERR_AUTH : ETCD_ERR_SERVER;
-    case 11:
-        return strstr(msg, "compacted") ? ETCD_ERR_COMPACTED : ETCD_ERR_ARG;
-    case 14:
-        return ETCD_ERR_UNAVAILABLE;
-    default:
-        return http == 404 ? ETCD_ERR_NOT_FOUND : ETCD_ERR_SERVER;
-    }
-}
-
-/* "Unavailable" answers that etcd gives after a proposal may have gone
- * through raft ("request timed out", "leader changed"); "no leader" and the
- * like come before anything was proposed. */
-static int is_ambiguous(const char *msg)
-{
-    return strstr(msg, "timed out") || strstr(msg, "leader changed") ||
-           strstr(msg, "server stopped");
-}
-
-int etcd_is_token_error(int code, const char *msg)
-{
-    return code == 16 || strstr(msg, "invalid auth token") != NULL;
-}
-
-/* Sleep before the next try: once every endpoint has failed in a row,
- * exponential backoff with jitter (half to full), never past the deadline. */
-static void conn_backoff(etcd_conn *k, int tries, int64_t deadline)
-{
-    if (tries % (int)k->nendpoints != 0) return;
-    int rounds = tries / (int)k->nendpoints - 1;
-    int64_t d = ETCD_BACKOFF_FIRST_MS << (rounds < 6 ? rounds : 6);
-    if (d > ETCD_BACKOFF_MAX_MS) d = ETCD_BACKOFF_MAX_MS;
-    d = d / 2 + (int64_t)(etcd_conn_rand(k) % (uint64_t)(d / 2 + 1));
-    int64_t left = deadline - mono_now_ms();
-    sleep_ms(d < left ? d : left);
-}
-
-/* POST body to path on some endpoint before deadline; on ETCD_OK *ans holds
- * the 200 answer (at most limit bytes). */
-etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t limit, int flags,
-                        int64_t deadline, etcd_buf *ans)
-{
-    int tries = 0, reauthed = 0;
-    char last[300] = "no attempt";
-    for (;;) {
-        if (k->user && !k->token && !(flags & ETCD_CALL_NO_AUTH)) {
-            etcd_err e = etcd_conn_authenticate(k, deadline);
-            if (e != ETCD_OK) return e;
-        }
-        int64_t left = deadline - mono_now_ms();
-        if (left <= 0) {
-            /* every try failed in a way worth retrying: etcd is not there */
-            etcd_conn_seterr(k, "%s: deadline passed; last: %s", path, last);
-            return ETCD_ERR_UNAVAILABLE;
-        }
-        struct curl_slist *hdrs;
-        etcd_err e = etcd_conn_setup(k, k->easy, path, &hdrs);
-        if (e != ETCD_OK) return e;
-        etcd_buf_reset(ans, limit);
-        char curlerr[CURL_ERROR_SIZE] = "";
-        CURL *h = k->easy;
-        curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, (long)strlen(body));
-        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, buf_write);
-        curl_easy_setopt(h, CURLOPT_WRITEDATA, ans);
-        curl_easy_setopt(h, CURLOPT_ERRORBUFFER, curlerr);
-        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)left);
-        curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS,
-                         (long)(left < ETCD_CONNECT_TIMEOUT_MS ? left : ETCD_CONNECT_TIMEOUT_MS));
-        CURLcode cc = curl_easy_perform(h);
-        if (k->counts) __atomic_fetch_add(&k->counts->finished, 1, __ATOMIC_RELAXED);
-        long http = 0, sent = 0;
-        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &http);
-        curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &sent);
-        curl_easy_setopt(h, CURLOPT_ERRORBUFFER, NULL);
-        curl_slist_free_all(hdrs);
-        const char *ep = k->endpoints[k->cur];
-        if (cc == CURLE_OK && http == 200) {
-            if (k->counts) __atomic_fetch_add(&k->counts->answer_bytes, ans->len, __ATOMIC_RELAXED);
-            return ETCD_OK;
-        }
-        if (cc == CURLE_OK) {
-            int code;
-            char msg[ETCD_REASON_MAX];
-            if (!etcd_parse_error(ans->p ? ans->p : "", ans->len, &code, msg, sizeof(msg))) {
-                code = -1;
-                snprintf(msg, sizeof(msg), "HTTP %ld without an etcd error body", http);
-            }
-            if (k->user && !(flags & ETCD_CALL_NO_AUTH) && etcd_is_token_error(code, msg) &&
-                !reauthed) {
-                /* the token expired or etcd restarted: log in again, once */
-                reauthed = 1;
-                free(k->token);
-                k->token = NULL;
-                continue;
-            }
-            snprintf(last, sizeof(last), "%s%s: %s (HTTP %ld, code %d)", ep, path, msg, http, code);
-            if (code == 14 && !(flags & ETCD_CALL_IDEMPOTENT) && is_ambiguous(msg)) {
-                etcd_conn_seterr(k, "%s; the request may have been applied, not repeating it",
-                                 last);
-                return ETCD_ERR_UNAVAILABLE;
-            }
-            /* "no leader" (the require-leader refusal) comes before
-             * anything was proposed: another endpoint may have one */
-            if (code == 14 || (code < 0 && http >= 500)) goto retry;
-            /* A client given credentials waits, within its deadline, for
-             * etcd's auth to be switched on, as it waits for etcd to start:
-             * a deployment enables it just after etcd comes up (the chart's
-             * post-install hook) while the agents may already be calling. */
-            if (code == 9 && strstr(msg, "authentication is not enabled")) goto retry;
-            etcd_conn_seterr(k, "%s", last);
-            return code < 0 ? ETCD_ERR_PROTOCOL : etcd_map_grpc(code, msg, (int)http);
-        }
-        snprintf(last, sizeof(last), "%s%s: %s", ep, path,
-                 curlerr[0] ? curlerr : curl_easy_strerror(cc));
-        if (cc == CURLE_WRITE_ERROR && ans->over) {
-            etcd_conn_seterr(k, "%s%s: answer larger than %zu bytes", ep, path, limit);
-            return ETCD_ERR_TOO_LARGE;
-        }
-        if (cc == CURLE_WRITE_ERROR) {
-            etcd_conn_seterr(k, "%s%s: out of memory for the answer", ep, path);
-            return ETCD_ERR_NOMEM;
-        }
-        if (etcd_is_tls_error(cc, curlerr)) {
-            etcd_conn_seterr(k, "%s", last);
-            return ETCD_ERR_TLS;
-        }
-        switch (cc) {
-        case CURLE_COULDNT_CONNECT:
-        case CURLE_COULDNT_RESOLVE_HOST:
-            goto retry;
-        case CURLE_OPERATION_TIMEDOUT:
-            if (sent > 0) {
-                etcd_conn_seterr(k, "%s: deadline passed with the request in flight", last);
-                return ETCD_ERR_TIMEOUT;
-            }
-            goto retry; /* one endpoint's connect timeout, or the deadline (said above) */
-        case CURLE_SEND_ERROR:
-        case CURLE_RECV_ERROR:
-        case CURLE_GOT_NOTHING:
-        case CURLE_PARTIAL_FILE:
-            if (sent > 0 && !(flags & ETCD_CALL_IDEMPOTENT)) {
-                etcd_conn_seterr(k, "%s; the request may have been applied, not repeating it",
-                                 last);
-                k->cur = (k->cur + 1) % k->nendpoints;
-                return ETCD_ERR_UNAVAILABLE;
-            }
-            goto retry;
-        case CURLE_HTTP2:
-            /* libcurl on GnuTLS reports a connection broken while it sends
-             * HTTP/2's preface, before the request (etcd refusing a TLS 1.3
-             * client certificate just after the handshake), as an HTTP/2
-             * error: nothing was sent, so it is retried as a send failure
-             * is, and the next try reads the TLS alert. */
-            if (sent == 0) goto retry;
-            etcd_conn_seterr(k, "%s", last);
-            return ETCD_ERR_PROTOCOL;
-        case CURLE_WEIRD_SERVER_REPLY:
-        case CURLE_BAD_CONTENT_ENCODING:
-        case CURLE_HTTP3:
-        case CURLE_UNSUPPORTED_PROTOCOL: /* schemes are checked up front: an HTTP/0.9 reply */
-            etcd_conn_seterr(k, "%s", last);
-            return ETCD_ERR_PROTOCOL;
-        case CURLE_URL_MALFORMAT:
-            etcd_conn_seterr(k, "%s", last);
-            return ETCD_ERR_ARG;
-        case CURLE_OUT_OF_MEMORY:
-            return ETCD_ERR_NOMEM;
-        default:
-            etcd_conn_seterr(k, "%s", last);
-            return ETCD_ERR_UNAVAILABLE;
-        }
-    retry:
-        tries++;
-        k->cur = (k->cur + 1) % k->nendpoints;
-        conn_backoff(k, tries, deadline);
-    }
-}
-
-etcd_err etcd_conn_authenticate(etcd_conn *k, int64_t deadline)
-{
-    cJSON *req = cJSON_CreateObject();
-    if (!req || !cJSON_AddStringToObject(req, "name", k->user) ||
-        !cJSON_AddStringToObject(req, "password", k->password)) {
-        cJSON_Delete(req);
-        return ETCD_ERR_NOMEM;
-    }
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
-    if (!body) return ETCD_ERR_NOMEM;
-    etcd_buf ans = {0};
-    etcd_err e = etcd_conn_call(k, "/v3/auth/authenticate", body, ETCD_MAX_SMALL_ANSWER,
-                                ETCD_CALL_IDEMPOTENT | ETCD_CALL_NO_AUTH, deadline, &ans);
-    free(body);
-    if (e == ETCD_OK) {
-        free(k->token);
-        k->token = NULL;
-        e = etcd_parse_token(ans.p, ans.len, &k->token, k->err, sizeof(k->err));
-    } else {
-        char why[sizeof(k->err)];
-        snprintf(why, sizeof(why), "%s", k->err);
-        etcd_conn_seterr(k, "authenticate as \"%s\": %s", k->user, why);
-    }
-    etcd_buf_free(&ans);
-    return e;
+    struct curl_slist *hdrs;
+    etcd_err e = etcd_conn_setup(k, k->easy, path, &hdrs);
+    if (e != ETCD_OK) return e;
+    etcd_buf_reset(ans, limit);
+    t->curlerr[0] = 0;
+    CURL *h = k->easy;
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, (long)strlen(body));
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, buf_write);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, ans);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, t->curlerr);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)left);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS,
+                     (long)(left < ETCD_CONNECT_TIMEOUT_MS ? left : ETCD_CONNECT_TIMEOUT_MS));
+    t->cc = curl_easy_perform(h);
+    if (k->counts) __atomic_fetch_add(&k->counts->finished, 1, __ATOMIC_RELAXED);
+    t->http = 0;
+    t->sent = 0;
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &t->http);
+    curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &t->sent);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, NULL);
+    curl_slist_free_all(hdrs);
+    if (t->cc == CURLE_OK && t->http == 200 && k->counts)
+        __atomic_fetch_add(&k->counts->answer_bytes, ans->len, __ATOMIC_RELAXED);
+    return ETCD_OK;
 }

@@ -1,11 +1,14 @@
 /* etcd_internal.h: private to the etcd client (etcd_*.c) and its tests.
  *
- * The client is split along its seams, each file built on the one before:
- *   etcd_json.c    answer parsing (and base64), where the fuzz target reaches it
- *   etcd_conn.c    a connection: endpoints, TLS, auth token, the retry policy
- *   etcd_client.c  the client object, its failpoints, request building
- *   etcd_kv.c      key-value, txn and lease calls
+ * The client is split along the steps of a call, and a call goes down them,
+ * never back up:
+ *   etcd_kv.c      key-value, txn and lease calls: build, send, parse
  *   etcd_watch.c   the watch stream
+ *   etcd_build.c   request bodies, and the checks of a call's arguments
+ *   etcd_send.c    one send: failpoint, size check, deadline, retry, login
+ *   etcd_conn.c    a connection: endpoints, TLS, headers, one POST
+ *   etcd_json.c    answer parsing (and base64), where the fuzz target reaches it
+ *   etcd_client.c  the client object, its deadline, name and counts
  *
  * The parsers take the raw bytes of an answer, so that the fuzz target and
  * the corpus replay drive exactly the code a real answer goes through. Each
@@ -66,7 +69,7 @@ typedef struct etcd_watch_msg {
     int canceled;
     int64_t header_revision;
     int64_t compact_revision;
-    int64_t watch_id; /* which watch of the stream (0 when absent) */
+    int64_t watch_id;             /* which watch of the stream (0 when absent) */
     int error_code;               /* set when the message is an error (stream error or cancel) */
     char reason[ETCD_REASON_MAX]; /* cancel_reason or the stream error's message */
     etcd_event *events;
@@ -118,15 +121,60 @@ uint64_t etcd_conn_rand(etcd_conn *k);
  * endpoint, headers (*hdrs, the caller frees them), TLS, keep-alive. */
 etcd_err etcd_conn_setup(etcd_conn *k, CURL *h, const char *path, struct curl_slist **hdrs);
 
-/* etcd_conn_call flags: may be sent again after a lost answer; no token. */
+/* What one POST brought: curl's verdict, the HTTP status, the bytes sent. */
+typedef struct etcd_try {
+    CURLcode cc;
+    long http, sent;
+    char curlerr[CURL_ERROR_SIZE];
+} etcd_try;
+
+/* One POST of body to path on the current endpoint, curl's timeouts cut
+ * from left ms; the answer goes to ans (at most limit bytes). An error only
+ * when the request could not be set up; the outcome is in *t. */
+etcd_err etcd_conn_post(etcd_conn *k, const char *path, const char *body, size_t limit,
+                        int64_t left, etcd_buf *ans, etcd_try *t);
+
+/* ---- request bodies (etcd_build.c) ---- */
+
+/* Each checks the call's arguments (ETCD_ERR_ARG or ETCD_ERR_TOO_LARGE with
+ * the reason in err) and returns the malloc'd JSON body in *body. */
+etcd_err etcd_check_key(const char *key, int prefix, char *err, size_t errlen);
+etcd_err etcd_build_range(const char *key, int prefix, int64_t limit, char **body, char *err,
+                          size_t errlen);
+etcd_err etcd_build_put(const char *key, const void *value, size_t len, int64_t lease, char **body,
+                        char *err, size_t errlen);
+etcd_err etcd_build_delete(const char *key, int prefix, char **body, char *err, size_t errlen);
+
+/* The arguments of etcd_txn. */
+typedef struct etcd_txn_req {
+    const etcd_cmp *cmps;
+    size_t ncmp;
+    const etcd_op *then;
+    size_t nthen;
+    const etcd_op *els;
+    size_t nels;
+} etcd_txn_req;
+
+/* *writes: whether any operation writes (then the txn is not idempotent). */
+etcd_err etcd_build_txn(const etcd_txn_req *t, int *writes, char **body, char *err, size_t errlen);
+/* {field: v} of a lease grant ("TTL"), keep-alive or revoke ("ID"). */
+etcd_err etcd_build_lease(const char *field, int64_t v, char **body);
+etcd_err etcd_build_auth(const char *user, const char *password, char **body);
+/* One {"create_request":...} of a watch stream; NULL when out of memory. */
+char *etcd_build_watch_create(const char *key, int prefix, int64_t start_revision);
+
+/* ---- sending (etcd_send.c) ---- */
+
+/* etcd_send flags: may be sent again after a lost answer; no token. */
 enum { ETCD_CALL_IDEMPOTENT = 1, ETCD_CALL_NO_AUTH = 2 };
 
-/* POST body to path on some endpoint before deadline; on ETCD_OK *ans holds
- * the 200 answer (at most limit bytes). flags: ETCD_CALL_*. */
-etcd_err etcd_conn_call(etcd_conn *k, const char *path, const char *body, size_t limit, int flags,
+/* POST body to path on some endpoint before deadline, retrying what is
+ * worth it; on ETCD_OK *ans holds the 200 answer (at most limit bytes).
+ * flags: ETCD_CALL_*. */
+etcd_err etcd_send_conn(etcd_conn *k, const char *path, const char *body, size_t limit, int flags,
                         int64_t deadline, etcd_buf *ans);
 /* Logs in as k->user and keeps the token in k->token. */
-etcd_err etcd_conn_authenticate(etcd_conn *k, int64_t deadline);
+etcd_err etcd_send_login(etcd_conn *k, int64_t deadline);
 
 /* A TLS failure is final (retrying cannot fix a certificate). */
 int etcd_is_tls_error(CURLcode cc, const char *detail);
@@ -144,22 +192,17 @@ struct etcd_client {
     char name[32]; /* for failpoints: etcd.<name>.<op> */
 };
 
+/* ---- a client's call (etcd_send.c) ---- */
+
 /* The action of failpoint etcd.<client name>.<op> for this call:
  * "unavailable", "ambiguous", or NULL. */
 const char *etcd_client_failpoint(const etcd_client *c, const char *op);
 /* What a call hears when its failpoint fires: unsent, or answer dropped. */
 etcd_err etcd_failpoint_unavailable(etcd_client *c, const char *path);
 etcd_err etcd_failpoint_ambiguous(etcd_client *c, const char *path);
-/* Serialize req (consumed) and make the call; op names its failpoint. */
-etcd_err etcd_client_call(etcd_client *c, const char *op, const char *path, cJSON *req,
-                          size_t limit, int flags, etcd_buf *ans);
-
-/* Request building: each returns 1, or 0 when out of memory. */
-int etcd_add_b64(cJSON *o, const char *name, const void *data, size_t len);
-int etcd_add_int64(cJSON *o, const char *name, int64_t v);
-/* key, and range_end for a prefix. */
-int etcd_add_key_range(cJSON *o, const char *key, int prefix);
-/* ETCD_ERR_ARG (with the reason in the client) for an empty key. */
-etcd_err etcd_check_key(etcd_client *c, const char *key, int prefix);
+/* One call of the client: its failpoint (op names it), etcd's size limit,
+ * the client's deadline, then etcd_send_conn. body is freed here. */
+etcd_err etcd_send(etcd_client *c, const char *op, const char *path, char *body, size_t limit,
+                   int flags, etcd_buf *ans);
 
 #endif

@@ -20,7 +20,6 @@
 
 #include "ductile/clock.h"
 
-#include <cjson/cJSON.h>
 #include <curl/curl.h>
 #include <inttypes.h>
 #include <stdatomic.h>
@@ -160,13 +159,7 @@ static char *request_body(const etcd_watch *w)
     size_t len = 0, first_len = 0;
     for (size_t i = 0; i < w->nkeys; i++) {
         const wkey *k = &w->keys[i];
-        cJSON *req = cJSON_CreateObject();
-        cJSON *cr = cJSON_AddObjectToObject(req, "create_request");
-        char *one = NULL;
-        if (cr && etcd_add_key_range(cr, k->key, k->prefix) &&
-            (!k->next_rev || etcd_add_int64(cr, "start_revision", k->next_rev)))
-            one = cJSON_PrintUnformatted(req);
-        cJSON_Delete(req);
+        char *one = etcd_build_watch_create(k->key, k->prefix, k->next_rev);
         char *grown = one ? realloc(body, len + strlen(one) + 1) : NULL;
         if (!grown) {
             free(one);
@@ -249,6 +242,86 @@ static int key_of(const etcd_watch *w, int64_t id)
     return -1;
 }
 
+/* A stream error: "unavailable" goes on to the next endpoint, an expired
+ * token logs in again (once), anything else ends the watch. */
+static void on_stream_error(etcd_watch *w, const etcd_watch_msg *m)
+{
+    etcd_conn_seterr(&w->k, "watch stream from %s: %s (code %d)", w->k.endpoints[w->k.cur],
+                     m->reason, m->error_code);
+    if (m->error_code == 14) {
+        watch_down(w);
+    } else if (w->k.user && etcd_is_token_error(m->error_code, m->reason) && !w->reauthed) {
+        w->reauthed = 1;
+        free(w->k.token);
+        w->k.token = NULL;
+        watch_down(w);
+    } else {
+        watch_die(w, etcd_map_grpc(m->error_code, m->reason, 200));
+    }
+}
+
+static void on_canceled(etcd_watch *w, const etcd_watch_msg *m)
+{
+    int key = key_of(w, m->watch_id);
+    if (m->compact_revision > 0) {
+        etcd_conn_seterr(&w->k, "watch of %s from revision %" PRId64 ": compacted up to %" PRId64,
+                         w->keys[key < 0 ? 0 : key].key, w->keys[key < 0 ? 0 : key].next_rev,
+                         m->compact_revision);
+        w->last_rev = m->compact_revision;
+        watch_die(w, ETCD_ERR_COMPACTED);
+    } else if (w->k.user && strstr(m->reason, "invalid auth token") && !w->reauthed) {
+        /* an auth failure is a cancel with a reason: log in again, once */
+        w->reauthed = 1;
+        free(w->k.token);
+        w->k.token = NULL;
+        etcd_conn_seterr(&w->k, "watch canceled by etcd: %s", m->reason);
+        watch_down(w);
+    } else {
+        etcd_conn_seterr(&w->k, "watch canceled by etcd: %s",
+                         m->reason[0] ? m->reason : "(no reason)");
+        int auth = strstr(m->reason, "Unauthenticated") || strstr(m->reason, "PermissionDenied") ||
+                   strstr(m->reason, "permission denied") ||
+                   strstr(m->reason, "user name is empty");
+        watch_die(w, auth ? ETCD_ERR_AUTH : ETCD_ERR_CANCELED);
+    }
+}
+
+/* etcd creates the watches in the order they were asked for. */
+static void on_created(etcd_watch *w, const etcd_watch_msg *m)
+{
+    wkey *k = &w->keys[w->ncreated++];
+    k->id = m->watch_id;
+    if (k->next_rev == 0) {
+        k->next_rev = m->header_revision + 1;
+        if (w->nkeys == 1) w->last_rev = m->header_revision;
+    }
+    if (w->ncreated == w->nkeys) {
+        w->state = W_LIVE;
+        w->created_once = 1;
+        w->down_since = 0;
+        w->live_since = mono_now_ms();
+        w->reauthed = 0;
+    }
+}
+
+static void on_events(etcd_watch *w, etcd_watch_msg *m)
+{
+    int key = key_of(w, m->watch_id);
+    etcd_err qe = ETCD_ERR_NOMEM;
+    if (key < 0) {
+        etcd_conn_seterr(
+            &w->k, "watch stream from %s: events for watch %" PRId64 ", which it did not create",
+            w->k.endpoints[w->k.cur], m->watch_id);
+        qe = ETCD_ERR_PROTOCOL;
+    } else {
+        qe = queue_events(w, m, (size_t)key);
+    }
+    if (qe != ETCD_OK) {
+        w->pending = qe;
+        watch_down(w);
+    }
+}
+
 /* Act on one message of the stream. */
 static void handle_msg(etcd_watch *w, const char *line, size_t len)
 {
@@ -268,73 +341,14 @@ static void handle_msg(etcd_watch *w, const char *line, size_t len)
         watch_down(w);
         return;
     }
-    if (m.error_code) {
-        etcd_conn_seterr(&w->k, "watch stream from %s: %s (code %d)", w->k.endpoints[w->k.cur],
-                         m.reason, m.error_code);
-        if (m.error_code == 14) {
-            watch_down(w);
-        } else if (w->k.user && etcd_is_token_error(m.error_code, m.reason) && !w->reauthed) {
-            w->reauthed = 1;
-            free(w->k.token);
-            w->k.token = NULL;
-            watch_down(w);
-        } else {
-            watch_die(w, etcd_map_grpc(m.error_code, m.reason, 200));
-        }
-    } else if (m.canceled) {
-        int key = key_of(w, m.watch_id);
-        if (m.compact_revision > 0) {
-            etcd_conn_seterr(&w->k, "watch of %s from revision %" PRId64 ": compacted up to %" PRId64,
-                             w->keys[key < 0 ? 0 : key].key,
-                             w->keys[key < 0 ? 0 : key].next_rev, m.compact_revision);
-            w->last_rev = m.compact_revision;
-            watch_die(w, ETCD_ERR_COMPACTED);
-        } else if (w->k.user && strstr(m.reason, "invalid auth token") && !w->reauthed) {
-            /* an auth failure is a cancel with a reason: log in again, once */
-            w->reauthed = 1;
-            free(w->k.token);
-            w->k.token = NULL;
-            etcd_conn_seterr(&w->k, "watch canceled by etcd: %s", m.reason);
-            watch_down(w);
-        } else {
-            etcd_conn_seterr(&w->k, "watch canceled by etcd: %s",
-                             m.reason[0] ? m.reason : "(no reason)");
-            int auth =
-                strstr(m.reason, "Unauthenticated") || strstr(m.reason, "PermissionDenied") ||
-                strstr(m.reason, "permission denied") || strstr(m.reason, "user name is empty");
-            watch_die(w, auth ? ETCD_ERR_AUTH : ETCD_ERR_CANCELED);
-        }
-    } else if (m.created && w->state == W_CONNECTING && w->ncreated < w->nkeys) {
-        /* etcd creates the watches in the order they were asked for */
-        wkey *k = &w->keys[w->ncreated++];
-        k->id = m.watch_id;
-        if (k->next_rev == 0) {
-            k->next_rev = m.header_revision + 1;
-            if (w->nkeys == 1) w->last_rev = m.header_revision;
-        }
-        if (w->ncreated == w->nkeys) {
-            w->state = W_LIVE;
-            w->created_once = 1;
-            w->down_since = 0;
-            w->live_since = mono_now_ms();
-            w->reauthed = 0;
-        }
-    } else if (m.n > 0) {
-        int key = key_of(w, m.watch_id);
-        etcd_err qe = ETCD_ERR_NOMEM;
-        if (key < 0) {
-            etcd_conn_seterr(&w->k, "watch stream from %s: events for watch %" PRId64
-                                    ", which it did not create",
-                             w->k.endpoints[w->k.cur], m.watch_id);
-            qe = ETCD_ERR_PROTOCOL;
-        } else {
-            qe = queue_events(w, &m, (size_t)key);
-        }
-        if (qe != ETCD_OK) {
-            w->pending = qe;
-            watch_down(w);
-        }
-    }
+    if (m.error_code)
+        on_stream_error(w, &m);
+    else if (m.canceled)
+        on_canceled(w, &m);
+    else if (m.created && w->state == W_CONNECTING && w->ncreated < w->nkeys)
+        on_created(w, &m);
+    else if (m.n > 0)
+        on_events(w, &m);
     etcd_watch_msg_free(&m);
 }
 
@@ -431,7 +445,7 @@ static etcd_err watch_pump(etcd_watch *w, int64_t until, int want_created)
                 /* log in again first: a short blocking call, bounded by the
                  * client's timeout (simpler than driving it through the
                  * multi handle, which would make it wakeable too) */
-                etcd_err e = etcd_conn_authenticate(&w->k, mono_now_ms() + w->timeout_ms);
+                etcd_err e = etcd_send_login(&w->k, mono_now_ms() + w->timeout_ms);
                 if (e == ETCD_ERR_AUTH || e == ETCD_ERR_TLS || e == ETCD_ERR_NOMEM) {
                     watch_die(w, e);
                     continue;
@@ -486,8 +500,7 @@ etcd_err etcd_watch_open(etcd_client *c, const char *key, int prefix, int64_t st
     return etcd_watch_open_set(c, &one, 1, out);
 }
 
-etcd_err etcd_watch_open_set(etcd_client *c, const etcd_watch_key *keys, size_t n,
-                             etcd_watch **out)
+etcd_err etcd_watch_open_set(etcd_client *c, const etcd_watch_key *keys, size_t n, etcd_watch **out)
 {
     *out = NULL;
     if (n < 1 || n > ETCD_WATCH_MAX_KEYS || !keys) {
@@ -495,7 +508,7 @@ etcd_err etcd_watch_open_set(etcd_client *c, const etcd_watch_key *keys, size_t 
         return ETCD_ERR_ARG;
     }
     for (size_t i = 0; i < n; i++) {
-        etcd_err e = etcd_check_key(c, keys[i].key, keys[i].prefix);
+        etcd_err e = etcd_check_key(keys[i].key, keys[i].prefix, c->k.err, sizeof(c->k.err));
         if (e != ETCD_OK) return e;
         if (keys[i].start_revision < 0) {
             etcd_conn_seterr(&c->k, "negative watch start revision");

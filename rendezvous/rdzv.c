@@ -11,6 +11,9 @@
  *   rdzv_events.c   the events to the caller, queued by any thread
  *   rdzv_keys.c     the job's keys the handle, driver and reports share
  *   rdzv_driver.c   the driver thread: one protocol step per snapshot
+ *   rdzv_join.c     its steps in an open round: join, watch the one before
+ *   rdzv_freeze.c   the earliest joiner's step: when to freeze, with whom
+ *   rdzv_fence.c    its step in a frozen round: end it, open the next
  *   rdzv_watch.c    what wakes the driver: watch threads and the keep-alive
  *   rdzv_report.c   failures and the end of the job (caller's thread)
  *   probe.c         the registration's liveness probe: a responder thread,
@@ -331,28 +334,14 @@ int64_t rdzv_incarnation(const rdzv *r, int *took_over)
     return r->incarnation;
 }
 
-rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
+/* The handle's locks, and its own copy of the configuration's strings. */
+static rdzv_err handle_init(rdzv *r, const rdzv_config *cfg)
 {
-    char scratch[RDZV_MSG_MAX];
-    if (!msg) msg = scratch;
-    msg[0] = '\0';
-    if (!cfg || !out) {
-        snprintf(msg, RDZV_MSG_MAX, "no configuration");
-        return RDZV_ERR_ARG;
-    }
-    *out = NULL;
-    rdzv_err err = check_config(cfg, msg);
-    if (err != RDZV_OK) return err;
-
-    rdzv *r = calloc(1, sizeof(*r));
-    if (!r) return RDZV_ERR_NOMEM;
-    r->efd = -1;
     pthread_mutex_init(&r->api_mu, NULL);
     pthread_mutex_init(&r->rep_mu, NULL);
     pthread_mutex_init(&r->ev_mu, NULL);
     pthread_mutex_init(&r->mu, NULL);
     mono_cond_init(&r->cv);
-
     r->cfg = *cfg;
     const char *src[10] = {cfg->etcd.endpoints,
                            cfg->etcd.cacert,
@@ -366,10 +355,7 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
                            cfg->install_id};
     for (int i = 0; i < 10; i++) {
         r->strs[i] = dup_or_null(src[i]);
-        if (src[i] && !r->strs[i]) {
-            err = RDZV_ERR_NOMEM;
-            goto err;
-        }
+        if (src[i] && !r->strs[i]) return RDZV_ERR_NOMEM;
     }
     r->cfg.etcd = (rdzv_etcd){r->strs[0], r->strs[1], r->strs[2],          r->strs[3],
                               r->strs[4], r->strs[5], cfg->etcd.timeout_ms};
@@ -386,17 +372,23 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     dlog_init(&r->log, "rdzv", r->node, 1, why, sizeof(why));
     const char *dbg = getenv("DUCTILE_RDZV_DEBUG");
     if (dbg && *dbg && strcmp(dbg, "0") != 0) r->log.level = DLOG_DEBUG;
+    return RDZV_OK;
+}
 
+/* The caller's events' eventfd, and the handle's four etcd clients: the
+ * caller's calls, its reports, the driver's and the keep-alive's. */
+static rdzv_err connect_clients(rdzv *r, char *msg)
+{
     r->efd = eventfd(0, EFD_SEMAPHORE | EFD_NONBLOCK | EFD_CLOEXEC);
     if (r->efd < 0) {
         snprintf(msg, RDZV_MSG_MAX, "eventfd: %s", strerror(errno));
-        err = RDZV_ERR_NOMEM;
-        goto err;
+        return RDZV_ERR_NOMEM;
     }
-    if ((err = rdzv_etcd_connect(&r->etcd, &r->api, msg)) != RDZV_OK) goto err;
-    if ((err = rdzv_etcd_connect(&r->etcd, &r->rep, msg)) != RDZV_OK) goto err;
-    if ((err = rdzv_etcd_connect(&r->etcd, &r->dc, msg)) != RDZV_OK) goto err;
-    if ((err = rdzv_etcd_connect(&r->etcd, &r->kac, msg)) != RDZV_OK) goto err;
+    rdzv_err err;
+    if ((err = rdzv_etcd_connect(&r->etcd, &r->api, msg)) != RDZV_OK) return err;
+    if ((err = rdzv_etcd_connect(&r->etcd, &r->rep, msg)) != RDZV_OK) return err;
+    if ((err = rdzv_etcd_connect(&r->etcd, &r->dc, msg)) != RDZV_OK) return err;
+    if ((err = rdzv_etcd_connect(&r->etcd, &r->kac, msg)) != RDZV_OK) return err;
     /* Failpoints name the client: etcd.api.txn is one of the caller's own
      * calls once open (report, finish, leave), never the driver's; the two
      * clients share the name, and so its count. rdzv_open's own requests
@@ -411,6 +403,62 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
     etcd_client *mine[] = {r->api, r->rep, r->dc, r->kac};
     for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); i++)
         etcd_client_count_into(mine[i], &r->counts.etcd);
+    return RDZV_OK;
+}
+
+/* The threads of the protocol: the watches, the sentinel, the keep-alive
+ * and the driver. On failure the ones started are stopped again. */
+static rdzv_err start_threads(rdzv *r, int64_t reg_rev, char *msg)
+{
+    rdzv_err err;
+    if ((err = rdzv_watch_round(r, reg_rev + 1)) != RDZV_OK) {
+        snprintf(msg, RDZV_MSG_MAX, "cannot start watch threads");
+        goto err;
+    }
+    if ((err = rdzv_sentinel_start(r)) != RDZV_OK) goto err;
+    r->seek_start_ms = mono_now_ms();
+    r->deadline_ms = r->seek_start_ms + r->cfg.join_timeout_ms;
+    if (pthread_create(&r->keepalive, NULL, rdzv_keepalive_main, r) != 0) {
+        err = RDZV_ERR_NOMEM;
+        goto err;
+    }
+    r->keepalive_started = 1;
+    if (pthread_create(&r->driver, NULL, rdzv_driver_main, r) != 0) {
+        err = RDZV_ERR_NOMEM;
+        goto err;
+    }
+    r->driver_started = 1;
+    return RDZV_OK;
+
+err:
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    if (r->keepalive_started) pthread_join(r->keepalive, NULL);
+    rdzv_watchers_join(r);
+    rdzv_sentinel_stop(r);
+    return err;
+}
+
+rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
+{
+    char scratch[RDZV_MSG_MAX];
+    if (!msg) msg = scratch;
+    msg[0] = '\0';
+    if (!cfg || !out) {
+        snprintf(msg, RDZV_MSG_MAX, "no configuration");
+        return RDZV_ERR_ARG;
+    }
+    *out = NULL;
+    rdzv_err err = check_config(cfg, msg);
+    if (err != RDZV_OK) return err;
+
+    rdzv *r = calloc(1, sizeof(*r));
+    if (!r) return RDZV_ERR_NOMEM;
+    r->efd = -1;
+    if ((err = handle_init(r, cfg)) != RDZV_OK) goto err;
+    if ((err = connect_clients(r, msg)) != RDZV_OK) goto err;
 
     if ((err = rdzv_probe_start(r->cfg.addr, r->node, &r->probe)) != RDZV_OK) {
         snprintf(msg, RDZV_MSG_MAX, "cannot start the liveness probe");
@@ -426,35 +474,10 @@ rdzv_err rdzv_open(const rdzv_config *cfg, rdzv **out, char *msg)
 
     int64_t reg_rev = 0;
     if ((err = register_self(r, &reg_rev, msg)) != RDZV_OK) goto err_lease;
-
-    if ((err = rdzv_watch_round(r, reg_rev + 1)) != RDZV_OK) {
-        snprintf(msg, RDZV_MSG_MAX, "cannot start watch threads");
-        goto err_threads;
-    }
-    if ((err = rdzv_sentinel_start(r)) != RDZV_OK) goto err_threads;
-    r->seek_start_ms = mono_now_ms();
-    r->deadline_ms = r->seek_start_ms + r->cfg.join_timeout_ms;
-    if (pthread_create(&r->keepalive, NULL, rdzv_keepalive_main, r) != 0) {
-        err = RDZV_ERR_NOMEM;
-        goto err_threads;
-    }
-    r->keepalive_started = 1;
-    if (pthread_create(&r->driver, NULL, rdzv_driver_main, r) != 0) {
-        err = RDZV_ERR_NOMEM;
-        goto err_threads;
-    }
-    r->driver_started = 1;
+    if ((err = start_threads(r, reg_rev, msg)) != RDZV_OK) goto err_lease;
     *out = r;
     return RDZV_OK;
 
-err_threads:
-    pthread_mutex_lock(&r->mu);
-    r->stop = 1;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    if (r->keepalive_started) pthread_join(r->keepalive, NULL);
-    rdzv_watchers_join(r);
-    rdzv_sentinel_stop(r);
 err_lease:
     etcd_lease_revoke(r->dc, r->lease);
 err:

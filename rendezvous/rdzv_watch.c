@@ -175,6 +175,77 @@ static void watcher_close(rdzv_watcher *w, const int *idx, size_t n, const ws_ke
     etcd_watch_close(ew);
 }
 
+/* After compaction every key starts from now (the driver re-reads all). */
+static void watcher_forget_revisions(rdzv_watcher *w)
+{
+    pthread_mutex_lock(&w->mu);
+    for (int i = 0; i < WS_N; i++)
+        w->want[i].next_rev = 0;
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* What a break tells the driver: re-read, and every key of the set. */
+static unsigned resync_tags(const int *idx, size_t n)
+{
+    unsigned tags = RDZV_TAG_RESYNC;
+    for (size_t j = 0; j < n; j++)
+        tags |= ws_tag[idx[j]];
+    return tags;
+}
+
+/* The events of one wait, to the driver: their keys' tags, and the newest
+ * round record for its cache. */
+static void deliver(rdzv *r, const int *idx, etcd_event *evs, size_t ne)
+{
+    unsigned tags = 0;
+    const etcd_kv *round = NULL;
+    int round_seen = 0;
+    for (size_t i = 0; i < ne; i++) {
+        int slot = idx[evs[i].watch];
+        tags |= ws_tag[slot];
+        if (slot == WS_ROUND) {
+            round_seen = 1;
+            round = evs[i].type == ETCD_EVENT_PUT ? &evs[i].kv : NULL;
+        }
+    }
+    if (round_seen) rdzv_cache_round(r, round);
+    if (tags) post(r, tags);
+    etcd_events_free(evs, ne);
+}
+
+/* Opens the stream for the set the driver wants; 1 when it is open, 0
+ * when the thread goes round again (after a pause or a wait). */
+static int watcher_start(rdzv_watcher *w, etcd_client *c, ws_key *was, int *idx, size_t *n,
+                         int *broke, int *backoff)
+{
+    rdzv *r = w->r;
+    etcd_err e = watcher_open(w, c, was, idx, n);
+    if (e == ETCD_ERR_COMPACTED) {
+        watcher_forget_revisions(w);
+        *broke = 1;
+        return 0;
+    }
+    if (e != ETCD_OK) {
+        dlog_debug(&r->log, NULL, "watch: %s", etcd_strerror(e));
+        *broke = 1;
+        watcher_pause(w, *backoff);
+        *backoff = *backoff < 1000 ? *backoff * 2 : 1000;
+        return 0;
+    }
+    if (*broke) {
+        post(r, resync_tags(idx, *n));
+        *broke = 0;
+    }
+    if (!w->w) { /* nothing to watch (never so: `round` always is) */
+        pthread_mutex_lock(&w->mu);
+        while (!w->stop && !w->changed)
+            pthread_cond_wait(&w->cv, &w->mu);
+        pthread_mutex_unlock(&w->mu);
+        return 0;
+    }
+    return 1;
+}
+
 /* One thread, one stream: every watch of the handle on it. The set opens
  * once the driver has taken its first step (rdzv_watch_apply), and opens
  * again when a step changed it, each key resuming where it was; nothing
@@ -204,38 +275,7 @@ static void *watcher_main(void *arg)
         etcd_client_set_name(c, "watch");
         etcd_client_count_into(c, &r->counts.etcd);
         if (w->w && changed) watcher_close(w, idx, n, was);
-        if (!w->w) {
-            etcd_err e = watcher_open(w, c, was, idx, &n);
-            if (e == ETCD_ERR_COMPACTED) {
-                pthread_mutex_lock(&w->mu);
-                for (int i = 0; i < WS_N; i++)
-                    w->want[i].next_rev = 0;
-                pthread_mutex_unlock(&w->mu);
-                broke = 1;
-                continue;
-            }
-            if (e != ETCD_OK) {
-                dlog_debug(&r->log, NULL, "watch: %s", etcd_strerror(e));
-                broke = 1;
-                watcher_pause(w, backoff);
-                backoff = backoff < 1000 ? backoff * 2 : 1000;
-                continue;
-            }
-            if (broke) {
-                unsigned tags = RDZV_TAG_RESYNC;
-                for (size_t j = 0; j < n; j++)
-                    tags |= ws_tag[idx[j]];
-                post(r, tags);
-                broke = 0;
-            }
-            if (!w->w) { /* nothing to watch (never so: `round` always is) */
-                pthread_mutex_lock(&w->mu);
-                while (!w->stop && !w->changed)
-                    pthread_cond_wait(&w->cv, &w->mu);
-                pthread_mutex_unlock(&w->mu);
-                continue;
-            }
-        }
+        if (!w->w && !watcher_start(w, c, was, idx, &n, &broke, &backoff)) continue;
         etcd_event *evs = NULL;
         size_t ne = 0;
         /* A stop request or a new set cuts this short (etcd_watch_wakeup is
@@ -243,20 +283,7 @@ static void *watcher_main(void *arg)
          * only a bound. */
         etcd_err e = etcd_watch_next(w->w, 30000, &evs, &ne);
         if (e == ETCD_OK) {
-            unsigned tags = 0;
-            const etcd_kv *round = NULL;
-            int round_seen = 0;
-            for (size_t i = 0; i < ne; i++) {
-                int slot = idx[evs[i].watch];
-                tags |= ws_tag[slot];
-                if (slot == WS_ROUND) {
-                    round_seen = 1;
-                    round = evs[i].type == ETCD_EVENT_PUT ? &evs[i].kv : NULL;
-                }
-            }
-            if (round_seen) rdzv_cache_round(r, round);
-            if (tags) post(r, tags);
-            etcd_events_free(evs, ne);
+            deliver(r, idx, evs, ne);
             backoff = 50;
             continue;
         }
@@ -265,16 +292,8 @@ static void *watcher_main(void *arg)
         /* Resume after the last event seen; after compaction start from now
          * and have the driver re-read everything (it may have missed some). */
         watcher_close(w, idx, n, was);
-        if (e == ETCD_ERR_COMPACTED) {
-            pthread_mutex_lock(&w->mu);
-            for (int i = 0; i < WS_N; i++)
-                w->want[i].next_rev = 0;
-            pthread_mutex_unlock(&w->mu);
-        }
-        unsigned tags = RDZV_TAG_RESYNC;
-        for (size_t j = 0; j < n; j++)
-            tags |= ws_tag[idx[j]];
-        post(r, tags);
+        if (e == ETCD_ERR_COMPACTED) watcher_forget_revisions(w);
+        post(r, resync_tags(idx, n));
         broke = 1;
         watcher_pause(w, backoff);
         backoff = backoff < 1000 ? backoff * 2 : 1000;

@@ -240,64 +240,60 @@ void rdzv_record_free(rdzv_record *rec)
     memset(rec, 0, sizeof(*rec));
 }
 
-rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out)
+/* The record's scalar fields: its number, state, counts and job state. */
+static rdzv_err parse_fields(const cJSON *o, rdzv_record *out)
 {
-    memset(out, 0, sizeof(*out));
-    cJSON *o = cJSON_ParseWithLength(json, len);
-    if (!cJSON_IsObject(o)) {
-        cJSON_Delete(o);
-        return RDZV_ERR_PROTOCOL;
-    }
-    rdzv_err err = RDZV_ERR_PROTOCOL;
     int64_t v;
     char state[16];
-    if (get_int(o, "number", 1, (int64_t)1 << 52, &out->number) != 0) goto err;
-    if (get_str(o, "state", state, sizeof(state)) != 0) goto err;
+    if (get_int(o, "number", 1, (int64_t)1 << 52, &out->number) != 0) return RDZV_ERR_PROTOCOL;
+    if (get_str(o, "state", state, sizeof(state)) != 0) return RDZV_ERR_PROTOCOL;
     if (strcmp(state, "frozen") == 0)
         out->frozen = 1;
     else if (strcmp(state, "open") != 0)
-        goto err;
-    if (get_int(o, "restarts", 0, (int64_t)1 << 52, &out->restarts) != 0) goto err;
-    if (get_int(o, "max_restarts", 0, 1 << 30, &v) != 0) goto err;
+        return RDZV_ERR_PROTOCOL;
+    if (get_int(o, "restarts", 0, (int64_t)1 << 52, &out->restarts) != 0) return RDZV_ERR_PROTOCOL;
+    if (get_int(o, "max_restarts", 0, 1 << 30, &v) != 0) return RDZV_ERR_PROTOCOL;
     out->max_restarts = (int)v;
     /* Fields added later are optional: a record from an older agent has none. */
     if (cJSON_GetObjectItemCaseSensitive(o, "max_nodes")) {
         int64_t lo, hi;
         if (get_int(o, "min_nodes", 1, 100000, &lo) != 0 ||
             get_int(o, "max_nodes", lo, 100000, &hi) != 0)
-            goto err;
+            return RDZV_ERR_PROTOCOL;
         out->min_nodes = (int)lo;
         out->max_nodes = (int)hi;
     }
     if (cJSON_GetObjectItemCaseSensitive(o, "counted") &&
         get_int(o, "counted", 0, (int64_t)1 << 52, &out->counted) != 0)
-        goto err;
+        return RDZV_ERR_PROTOCOL;
     char hash[24];
-    if (get_str(o, "peer_lost_of", hash, sizeof(hash)) != 0) goto err;
+    if (get_str(o, "peer_lost_of", hash, sizeof(hash)) != 0) return RDZV_ERR_PROTOCOL;
     if (hash[0]) {
         char *end = NULL;
         out->peer_lost_of = strtoull(hash, &end, 16);
-        if (!end || *end) goto err;
+        if (!end || *end) return RDZV_ERR_PROTOCOL;
     }
-    if (get_str(o, "job", out->job, sizeof(out->job)) != 0) goto err;
+    if (get_str(o, "job", out->job, sizeof(out->job)) != 0) return RDZV_ERR_PROTOCOL;
     if (strcmp(out->job, "running") != 0 && strcmp(out->job, "done") != 0 &&
         strcmp(out->job, "failed") != 0)
-        goto err;
+        return RDZV_ERR_PROTOCOL;
     if (get_str(o, "cause", out->cause, sizeof(out->cause)) != 0 ||
         get_str(o, "cause_node", out->cause_node, sizeof(out->cause_node)) != 0 ||
         get_str(o, "reason", out->reason, sizeof(out->reason)) != 0)
-        goto err;
+        return RDZV_ERR_PROTOCOL;
+    return RDZV_OK;
+}
 
+static rdzv_err parse_members(const cJSON *o, rdzv_record *out)
+{
     const cJSON *ms = cJSON_GetObjectItemCaseSensitive(o, "members");
-    if (!cJSON_IsArray(ms)) goto err;
+    if (!cJSON_IsArray(ms)) return RDZV_ERR_PROTOCOL;
     int n = cJSON_GetArraySize(ms);
-    if (n > 100000) goto err; /* with lws <= RDZV_MAX_LOCAL_WORLD, a world fits an int */
+    if (n > 100000)
+        return RDZV_ERR_PROTOCOL; /* with lws <= RDZV_MAX_LOCAL_WORLD, a world fits an int */
     if (n > 0) {
         out->members = calloc((size_t)n, sizeof(*out->members));
-        if (!out->members) {
-            err = RDZV_ERR_NOMEM;
-            goto err;
-        }
+        if (!out->members) return RDZV_ERR_NOMEM;
     }
     const cJSON *m;
     cJSON_ArrayForEach(m, ms)
@@ -306,47 +302,56 @@ rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out)
         const cJSON *node = cJSON_GetObjectItemCaseSensitive(m, "node");
         const cJSON *addr = cJSON_GetObjectItemCaseSensitive(m, "addr");
         const cJSON *lease = cJSON_GetObjectItemCaseSensitive(m, "lease");
-        if (!cJSON_IsString(node) || !rdzv_node_id_valid(node->valuestring)) goto err;
-        if (!cJSON_IsString(addr) || !cJSON_IsString(lease)) goto err;
-        if (get_int(m, "lws", 1, RDZV_MAX_LOCAL_WORLD, &v) != 0) goto err;
+        if (!cJSON_IsString(node) || !rdzv_node_id_valid(node->valuestring))
+            return RDZV_ERR_PROTOCOL;
+        if (!cJSON_IsString(addr) || !cJSON_IsString(lease)) return RDZV_ERR_PROTOCOL;
+        int64_t v;
+        if (get_int(m, "lws", 1, RDZV_MAX_LOCAL_WORLD, &v) != 0) return RDZV_ERR_PROTOCOL;
         dst->lws = (int)v;
         char *end = NULL;
         dst->lease = strtoll(lease->valuestring, &end, 10);
-        if (!end || *end) goto err;
+        if (!end || *end) return RDZV_ERR_PROTOCOL;
         dst->node = strdup(node->valuestring);
         dst->addr = strdup(addr->valuestring);
         out->nmembers++;
-        if (!dst->node || !dst->addr) {
-            err = RDZV_ERR_NOMEM;
-            goto err;
-        }
+        if (!dst->node || !dst->addr) return RDZV_ERR_NOMEM;
     }
-    const cJSON *prev = cJSON_GetObjectItemCaseSensitive(o, "prev");
-    if (prev && !cJSON_IsArray(prev)) goto err;
-    n = prev ? cJSON_GetArraySize(prev) : 0;
-    if (n > 0) {
-        out->prev = calloc((size_t)n, sizeof(char *));
-        if (!out->prev) {
-            err = RDZV_ERR_NOMEM;
-            goto err;
-        }
-        const cJSON *p;
-        cJSON_ArrayForEach(p, prev)
-        {
-            if (!cJSON_IsString(p)) goto err;
-            out->prev[out->nprev] = strdup(p->valuestring);
-            if (!out->prev[out->nprev]) {
-                err = RDZV_ERR_NOMEM;
-                goto err;
-            }
-            out->nprev++;
-        }
-    }
-    cJSON_Delete(o);
     return RDZV_OK;
-err:
+}
+
+/* The previous members' order (optional). */
+static rdzv_err parse_prev(const cJSON *o, rdzv_record *out)
+{
+    const cJSON *prev = cJSON_GetObjectItemCaseSensitive(o, "prev");
+    if (prev && !cJSON_IsArray(prev)) return RDZV_ERR_PROTOCOL;
+    int n = prev ? cJSON_GetArraySize(prev) : 0;
+    if (n <= 0) return RDZV_OK;
+    out->prev = calloc((size_t)n, sizeof(char *));
+    if (!out->prev) return RDZV_ERR_NOMEM;
+    const cJSON *p;
+    cJSON_ArrayForEach(p, prev)
+    {
+        if (!cJSON_IsString(p)) return RDZV_ERR_PROTOCOL;
+        out->prev[out->nprev] = strdup(p->valuestring);
+        if (!out->prev[out->nprev]) return RDZV_ERR_NOMEM;
+        out->nprev++;
+    }
+    return RDZV_OK;
+}
+
+rdzv_err rdzv_record_parse(const char *json, size_t len, rdzv_record *out)
+{
+    memset(out, 0, sizeof(*out));
+    cJSON *o = cJSON_ParseWithLength(json, len);
+    if (!cJSON_IsObject(o)) {
+        cJSON_Delete(o);
+        return RDZV_ERR_PROTOCOL;
+    }
+    rdzv_err err = parse_fields(o, out);
+    if (err == RDZV_OK) err = parse_members(o, out);
+    if (err == RDZV_OK) err = parse_prev(o, out);
     cJSON_Delete(o);
-    rdzv_record_free(out);
+    if (err != RDZV_OK) rdzv_record_free(out);
     return err;
 }
 
