@@ -137,7 +137,7 @@ static int rdzv_conf_key(agent_opts *o, char *kv, char *val, char *ignored, size
     } else if (strcmp(kv, "last_call_timeout") == 0) {
         target = OPT_LAST_CALL;
     } else if (strcmp(kv, "cacert") == 0 || strcmp(kv, "cert") == 0 || strcmp(kv, "key") == 0) {
-        target = kv[1] == 'a' ? OPT_CACERT : kv[1] == 'e' ? OPT_CERT : OPT_KEY;
+        target = kv[0] == 'k' ? OPT_KEY : kv[1] == 'a' ? OPT_CACERT : OPT_CERT;
     } else if (strcmp(kv, "protocol") == 0) {
         if (strcmp(val, "http") != 0 && strcmp(val, "https") != 0) {
             snprintf(why, len, "protocol '%s' is not http or https", val);
