@@ -56,8 +56,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "agent"))
-import agent_test as at  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "harness"))
+import agentkit as at  # noqa: E402
 
 TTL = 5
 LAST_CALL = 0.5
