@@ -3,7 +3,7 @@
 Nothing in it knows about ductile: it reads torchrun's environment through
 init_process_group("gloo", init_method="env://"), trains a small regression
 model with DistributedDataParallel on CPU, and checkpoints every step so a
-restarted group resumes where the last one was. Used by agent_test.py's
+restarted group resumes where the last one was. Used by test_torch.py's
 torch_ddp case.
 
     python torch_ddp.py CKPT_DIR TOTAL_STEPS

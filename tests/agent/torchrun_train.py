@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """torchrun_train.py: a training script as torchrun runs one, standard library only.
 
-agent_test.py's torchrun cases run it with PyTorch's own torchrun command
+test_torchrun.py's cases run it with PyTorch's own torchrun command
 lines. It checks the environment torchrun promises (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and its sys.argv,
 meets every rank at MASTER_ADDR:MASTER_PORT (rank 0 listens there, as

@@ -1,4 +1,4 @@
-"""warm_marker.py: a module for agent_test.py's warm_spare case to preload.
+"""warm_marker.py: a module for test_warm.py's warm_spare case to preload.
 
 Importing it records, in $AGENT_TEST_DIR/marker.<pid>, the importing
 process, the time, and what it could see of the worker's environment then;

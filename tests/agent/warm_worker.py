@@ -1,4 +1,4 @@
-"""warm_worker.py: the Python worker of agent_test.py's warm_spare case.
+"""warm_worker.py: the Python worker of test_warm.py's warm_spare case.
 
     python3 [-B] warm_worker.py ARGS...
 
