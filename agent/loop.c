@@ -142,6 +142,77 @@ static void on_task_answers(agent *a, const struct pollfd *pfd)
         on_master(a);
 }
 
+/* The fixed slots, always (fd -1 is ignored by poll), then every open fd
+ * of every worker, whose owner[] it is; returns how many. */
+static int poll_fill(agent *a, struct pollfd *pfd, agent_worker **owner)
+{
+    int n = 0;
+    pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
+    pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
+    pfd[n++] = (struct pollfd){.fd = a->master.task.fd, .events = POLLIN};
+    pfd[n++] = (struct pollfd){.fd = a->report.fd, .events = POLLIN};
+    pfd[n++] = (struct pollfd){.fd = a->finish.fd, .events = POLLIN};
+    for (int i = 0; a->ws.w && i < a->ws.n; i++) {
+        agent_worker *w = &a->ws.w[i];
+        int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
+        for (int j = 0; j < 3; j++) {
+            if (fds[j] < 0) continue;
+            owner[n] = w;
+            pfd[n++] = (struct pollfd){.fd = fds[j], .events = POLLIN};
+        }
+    }
+    return n;
+}
+
+/* The poll timeout in ms: up to the nearest deadline, a second at most. */
+static int poll_timeout(const agent *a)
+{
+    double now = mono_now_s(), next = now + 1.0;
+    if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
+    if (a->warm_at > 0 && a->warm_at < next) next = a->warm_at;
+    if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
+    double hang_at = watching(a) ? agent_watchdog_next(&a->wd, &a->ws) : 0;
+    if (hang_at > 0 && hang_at < next) next = hang_at;
+    return next > now ? (int)((next - now) * 1000.0) + 1 : 0;
+}
+
+/* The workers' readable fds, until something replaces the workers (gen,
+ * taken before anything in this pass could) and owner[] goes stale. */
+static void on_worker_fds(agent *a, const struct pollfd *pfd, agent_worker **owner, int n,
+                          unsigned gen)
+{
+    for (int i = SLOT_WORKERS; i < n && !a->done; i++) {
+        if (a->ws_gen != gen || !a->ws.w) break; /* owner[] is stale */
+        if (!pfd[i].revents) continue;
+        agent_worker *w = owner[i];
+        if (pfd[i].fd == w->ctl_fd)
+            agent_ctl_read(w, &a->lg, on_ctl, a);
+        else if (pfd[i].fd == w->out_fd || pfd[i].fd == w->err_fd)
+            agent_workers_read_output(&a->ws, w, pfd[i].fd);
+        if (a->done) break;
+    }
+}
+
+/* Every rendezvous event waiting; a driver that stopped ends the agent. */
+static void on_rdzv_events(agent *a)
+{
+    rdzv_event ev;
+    rdzv_err err = RDZV_OK;
+    while (!a->done && (err = rdzv_next_event(a->rz, 0, &ev)) == RDZV_OK) {
+        on_event(a, &ev);
+        rdzv_event_free(&ev);
+    }
+    if (!a->done && err != RDZV_ERR_TIMEOUT) {
+        /* The driver stopped without saying why: nothing more will come. */
+        snprintf(a->why, sizeof(a->why), "rendezvous stopped: %s", rdzv_strerror(err));
+        dlog_error(&a->lg, "rdzv_error", "%s", a->why);
+        a->exit_after_stop = 1;
+        if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
+        stop_workers(a, a->o->stop_grace_ms);
+        if (!workers_alive(a)) agent_finish(a, 1, a->why);
+    }
+}
+
 void run_loop(agent *a)
 {
     int maxfds = SLOT_WORKERS + 3 * a->o->nproc;
@@ -154,30 +225,8 @@ void run_loop(agent *a)
         return;
     }
     while (!a->done) {
-        int n = 0;
-        /* The fixed slots, always (fd -1 is ignored by poll). */
-        pfd[n++] = (struct pollfd){.fd = a->sigfd, .events = POLLIN};
-        pfd[n++] = (struct pollfd){.fd = rdzv_fd(a->rz), .events = POLLIN};
-        pfd[n++] = (struct pollfd){.fd = a->master.task.fd, .events = POLLIN};
-        pfd[n++] = (struct pollfd){.fd = a->report.fd, .events = POLLIN};
-        pfd[n++] = (struct pollfd){.fd = a->finish.fd, .events = POLLIN};
-        for (int i = 0; a->ws.w && i < a->ws.n; i++) {
-            agent_worker *w = &a->ws.w[i];
-            int fds[3] = {w->out_fd, w->err_fd, w->ctl_fd};
-            for (int j = 0; j < 3; j++) {
-                if (fds[j] < 0) continue;
-                owner[n] = w;
-                pfd[n++] = (struct pollfd){.fd = fds[j], .events = POLLIN};
-            }
-        }
-        double now = mono_now_s(), next = now + 1.0;
-        if (a->kill_at > 0 && a->kill_at < next) next = a->kill_at;
-        if (a->warm_at > 0 && a->warm_at < next) next = a->warm_at;
-        if (a->give_up_at > 0 && a->give_up_at < next) next = a->give_up_at;
-        double hang_at = watching(a) ? agent_watchdog_next(&a->wd, &a->ws) : 0;
-        if (hang_at > 0 && hang_at < next) next = hang_at;
-        int timeout = next > now ? (int)((next - now) * 1000.0) + 1 : 0;
-        int got = poll(pfd, (nfds_t)n, timeout);
+        int n = poll_fill(a, pfd, owner);
+        int got = poll(pfd, (nfds_t)n, poll_timeout(a));
         if (got < 0 && errno != EINTR) {
             agent_finish(a, 1, "poll failed");
             break;
@@ -189,34 +238,9 @@ void run_loop(agent *a)
         if (got > 0) {
             unsigned gen = a->ws_gen; /* before anything may replace the workers */
             on_task_answers(a, pfd);
-            for (int i = SLOT_WORKERS; i < n && !a->done; i++) {
-                if (a->ws_gen != gen || !a->ws.w) break; /* owner[] is stale */
-                if (!pfd[i].revents) continue;
-                agent_worker *w = owner[i];
-                if (pfd[i].fd == w->ctl_fd)
-                    agent_ctl_read(w, &a->lg, on_ctl, a);
-                else if (pfd[i].fd == w->out_fd || pfd[i].fd == w->err_fd)
-                    agent_workers_read_output(&a->ws, w, pfd[i].fd);
-                if (a->done) break;
-            }
+            on_worker_fds(a, pfd, owner, n, gen);
             if (pfd[SLOT_SIGNAL].revents) on_signalfd(a);
-            if (pfd[SLOT_RDZV].revents) {
-                rdzv_event ev;
-                rdzv_err err = RDZV_OK;
-                while (!a->done && (err = rdzv_next_event(a->rz, 0, &ev)) == RDZV_OK) {
-                    on_event(a, &ev);
-                    rdzv_event_free(&ev);
-                }
-                if (!a->done && err != RDZV_ERR_TIMEOUT) {
-                    /* The driver stopped without saying why: nothing more will come. */
-                    snprintf(a->why, sizeof(a->why), "rendezvous stopped: %s", rdzv_strerror(err));
-                    dlog_error(&a->lg, "rdzv_error", "%s", a->why);
-                    a->exit_after_stop = 1;
-                    if (a->state != AGENT_SHUTDOWN) a->state = AGENT_STOPPING;
-                    stop_workers(a, a->o->stop_grace_ms);
-                    if (!workers_alive(a)) agent_finish(a, 1, a->why);
-                }
-            }
+            if (pfd[SLOT_RDZV].revents) on_rdzv_events(a);
         }
         if (!a->done) check_deadlines(a);
         publish(a);

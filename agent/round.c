@@ -344,91 +344,113 @@ static int rejoin(agent *a, const rdzv_event *ev)
     return 1;
 }
 
-void on_event(agent *a, rdzv_event *ev)
+/* A round froze: take it, or keep it for when this node's workers are
+ * gone; never a round already taken, nor an older one. */
+static void on_frozen(agent *a, rdzv_event *ev)
+{
+    if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0) return;
+    if (ev->round.number <= a->started) {
+        /* Never act on a round twice, nor go back to an older one. */
+        dlog_warn(&a->lg, "round_stale", "round %lld reported again after round %lld: ignored",
+                  (long long)ev->round.number, (long long)a->started);
+        return;
+    }
+    if (a->state == AGENT_RUNNING && workers_alive(a) && !keep_at_end(a, a->round.number)) {
+        /* A newer round without an end of ours first: ours is over too. */
+        dlog_info(&a->lg, "round_superseded", "round %lld superseded by round %lld",
+                  (long long)a->round.number, (long long)ev->round.number);
+        a->state = AGENT_STOPPING;
+        a->exit_after_stop = -1;
+        a->in_round = 0;
+        stop_workers(a, a->o->stop_grace_ms);
+    }
+    if (a->state == AGENT_STOPPING && workers_alive(a)) {
+        if (a->have_pending) rdzv_round_free(&a->pending);
+        a->pending = ev->round;
+        a->have_pending = 1;
+        memset(&ev->round, 0, sizeof(ev->round));
+    } else {
+        start_round(a, &ev->round);
+    }
+}
+
+static void on_round_ended(agent *a, const rdzv_event *ev)
 {
     char what[400];
+    if (ev->cause > 0 && ev->cause < RDZV_CAUSE_COUNT) a->changes[ev->cause]++;
+    describe_end(ev, what, sizeof(what));
+    dlog_info(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
+    if (a->round.number == ev->round_number && a->round.my_rank == 0) post_round_end(a, ev, what);
+    snprintf(a->why, sizeof(a->why), "%s", what);
+    leave_round(a, ev->round_number,
+                ev->cause == RDZV_CAUSE_NODE_WAITING || ev->cause == RDZV_CAUSE_MEMBER_LEFT);
+}
+
+static void on_job_done(agent *a)
+{
+    a->job_done = 1;
+    dlog_info(&a->lg, "job_done", "the job is complete");
+    a->in_round = 0;
+    if (workers_alive(a) && a->state != AGENT_SHUTDOWN && a->state != AGENT_STOPPING) {
+        a->state = AGENT_DRAINING;
+        a->give_up_at = mono_now_s() + a->o->shutdown_timeout_ms / 1000.0;
+    } else if (!workers_alive(a)) {
+        agent_finish(a, 0, "job complete");
+    }
+}
+
+/* The job failed, or the rendezvous did (a lost lease this node could not
+ * register again after, too few nodes within --join-timeout, an error):
+ * this node's part ends, with the exit code that says which. */
+static void on_job_ended(agent *a, const rdzv_event *ev)
+{
+    if (ev->type == RDZV_EV_ERROR && ev->err == RDZV_ERR_LEASE_LOST && rejoin(a, ev)) return;
+    if (ev->type == RDZV_EV_JOB_FAILED)
+        snprintf(a->why, sizeof(a->why), "job failed: %s", ev->reason);
+    else if (ev->err == RDZV_ERR_TIMEOUT)
+        snprintf(a->why, sizeof(a->why), "%s: too few nodes came (a wait, not a failure)",
+                 ev->reason);
+    else
+        snprintf(a->why, sizeof(a->why), "rendezvous error: %s: %s", rdzv_strerror(ev->err),
+                 ev->reason);
+    dlog_error(&a->lg, ev->type == RDZV_EV_JOB_FAILED ? "job_failed" : "rdzv_error", "%s", a->why);
+    if (ev->type == RDZV_EV_JOB_FAILED) post_job_failed(a);
+    a->in_round = 0;
+    if (a->state == AGENT_SHUTDOWN) return;
+    a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
+                         : ev->err == RDZV_ERR_LEASE_LOST ? AGENT_EXIT_DROPPED
+                         : ev->err == RDZV_ERR_TIMEOUT    ? AGENT_EXIT_NO_ROUND
+                                                          : AGENT_EXIT_ERROR;
+    if (workers_alive(a)) {
+        a->state = AGENT_STOPPING;
+        stop_workers(a, a->o->stop_grace_ms);
+    } else {
+        agent_finish(a, a->exit_after_stop, a->why);
+    }
+}
+
+void on_event(agent *a, rdzv_event *ev)
+{
     /* Marking the job complete: its answer decides how this agent ends
      * (as when the loop waited for it); only the job's end, which may be
      * that very write, is news. */
     if (a->state == AGENT_FINISHING && ev->type != RDZV_EV_JOB_DONE) return;
     switch (ev->type) {
     case RDZV_EV_FROZEN:
-        if (a->state == AGENT_SHUTDOWN || a->state == AGENT_DRAINING || a->exit_after_stop >= 0)
-            break;
-        if (ev->round.number <= a->started) {
-            /* Never act on a round twice, nor go back to an older one. */
-            dlog_warn(&a->lg, "round_stale", "round %lld reported again after round %lld: ignored",
-                      (long long)ev->round.number, (long long)a->started);
-            break;
-        }
-        if (a->state == AGENT_RUNNING && workers_alive(a) && !keep_at_end(a, a->round.number)) {
-            /* A newer round without an end of ours first: ours is over too. */
-            dlog_info(&a->lg, "round_superseded", "round %lld superseded by round %lld",
-                      (long long)a->round.number, (long long)ev->round.number);
-            a->state = AGENT_STOPPING;
-            a->exit_after_stop = -1;
-            a->in_round = 0;
-            stop_workers(a, a->o->stop_grace_ms);
-        }
-        if (a->state == AGENT_STOPPING && workers_alive(a)) {
-            if (a->have_pending) rdzv_round_free(&a->pending);
-            a->pending = ev->round;
-            a->have_pending = 1;
-            memset(&ev->round, 0, sizeof(ev->round));
-        } else {
-            start_round(a, &ev->round);
-        }
+        on_frozen(a, ev);
         break;
     case RDZV_EV_ROUND_ENDED:
-        if (ev->cause > 0 && ev->cause < RDZV_CAUSE_COUNT) a->changes[ev->cause]++;
-        describe_end(ev, what, sizeof(what));
-        dlog_info(&a->lg, "round_ended", "round %lld ended: %s", (long long)ev->round_number, what);
-        if (a->round.number == ev->round_number && a->round.my_rank == 0)
-            post_round_end(a, ev, what);
-        snprintf(a->why, sizeof(a->why), "%s", what);
-        leave_round(a, ev->round_number,
-                    ev->cause == RDZV_CAUSE_NODE_WAITING || ev->cause == RDZV_CAUSE_MEMBER_LEFT);
+        on_round_ended(a, ev);
         break;
     case RDZV_EV_SPARE:
         dlog_info(&a->lg, "spare", "the round is full: waiting as a hot spare");
         break;
     case RDZV_EV_JOB_DONE:
-        a->job_done = 1;
-        dlog_info(&a->lg, "job_done", "the job is complete");
-        a->in_round = 0;
-        if (workers_alive(a) && a->state != AGENT_SHUTDOWN && a->state != AGENT_STOPPING) {
-            a->state = AGENT_DRAINING;
-            a->give_up_at = mono_now_s() + a->o->shutdown_timeout_ms / 1000.0;
-        } else if (!workers_alive(a)) {
-            agent_finish(a, 0, "job complete");
-        }
+        on_job_done(a);
         break;
     case RDZV_EV_JOB_FAILED:
     case RDZV_EV_ERROR:
-        if (ev->type == RDZV_EV_ERROR && ev->err == RDZV_ERR_LEASE_LOST && rejoin(a, ev)) break;
-        if (ev->type == RDZV_EV_JOB_FAILED)
-            snprintf(a->why, sizeof(a->why), "job failed: %s", ev->reason);
-        else if (ev->err == RDZV_ERR_TIMEOUT)
-            snprintf(a->why, sizeof(a->why), "%s: too few nodes came (a wait, not a failure)",
-                     ev->reason);
-        else
-            snprintf(a->why, sizeof(a->why), "rendezvous error: %s: %s", rdzv_strerror(ev->err),
-                     ev->reason);
-        dlog_error(&a->lg, ev->type == RDZV_EV_JOB_FAILED ? "job_failed" : "rdzv_error", "%s",
-                   a->why);
-        if (ev->type == RDZV_EV_JOB_FAILED) post_job_failed(a);
-        a->in_round = 0;
-        if (a->state == AGENT_SHUTDOWN) break;
-        a->exit_after_stop = ev->type == RDZV_EV_JOB_FAILED   ? AGENT_EXIT_JOB_FAILED
-                             : ev->err == RDZV_ERR_LEASE_LOST ? AGENT_EXIT_DROPPED
-                             : ev->err == RDZV_ERR_TIMEOUT    ? AGENT_EXIT_NO_ROUND
-                                                              : AGENT_EXIT_ERROR;
-        if (workers_alive(a)) {
-            a->state = AGENT_STOPPING;
-            stop_workers(a, a->o->stop_grace_ms);
-        } else {
-            agent_finish(a, a->exit_after_stop, a->why);
-        }
+        on_job_ended(a, ev);
         break;
     }
 }
