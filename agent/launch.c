@@ -149,8 +149,9 @@ void launch_round(agent *a, const char *maddr, int mport)
                            .logs = &a->logs};
     char msg[AGENT_MSG_MAX];
     int warm = 0;
+    agent_adopt adopt = agent_warm_adopt(&a->warm);
     if (agent_logs_attempt(&a->logs, rd->restarts, msg, sizeof(msg)) != 0 ||
-        agent_workers_spawn(&a->ws, &env, a->o->cmd, &a->warm, &warm, msg, sizeof(msg)) != 0) {
+        agent_workers_spawn(&a->ws, &env, a->o->cmd, &adopt, &warm, msg, sizeof(msg)) != 0) {
         dlog_error(&a->lg, "spawn_failed", "round %lld: cannot start workers: %s",
                    (long long)rd->number, msg);
         a->state = AGENT_RDZV;
