@@ -66,7 +66,7 @@ void on_workers_gone(agent *a)
 /* A worker of this node failed (exited non-zero, was killed, or reported a
  * failure or a lost peer in restart mode): stop the rest and end the round,
  * as a failure when first_hand. */
-void worker_failed(agent *a, const char *reason, int first_hand, int suspect)
+static void worker_failed(agent *a, const char *reason, int first_hand, int suspect)
 {
     dlog_warn(&a->lg, "worker_failed", "round %lld: %s; stopping the other workers",
               (long long)a->round.number, reason);
