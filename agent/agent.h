@@ -1,12 +1,14 @@
-/* agent.h: the agent proper: one node's round state machine (agent.c).
+/* agent.h: the agent proper: one node's round state machine (agent.c and
+ * its rooms, listed in agent_internal.h).
  *
  * main.c parses the options, makes the logger and the signalfd, and hands
  * over to agent_run(), which joins the job, runs the workers round after
  * round, and returns what the process exits with: one of AGENT_EXIT_*.
- * agent.c is the one file that includes the other modules' headers
- * (options.h, workers.h, warm.h, http.h, standalone.h); none of them
- * includes this. workers.c and warm.c use each other: a warm spare is
- * started as a worker is, and a launch adopts it as one.
+ * The rooms (through agent_internal.h) are the files that include the
+ * other modules' headers (options.h, workers.h, warm.h, http.h,
+ * standalone.h); none of them includes this. warm.c uses workers.h (a
+ * warm spare is started as a worker is) and never the other way round: a
+ * launch adopts a spare through the agent_adopt agent_warm_adopt gives.
  */
 #ifndef DUCTILE_AGENT_AGENT_H
 #define DUCTILE_AGENT_AGENT_H

@@ -7,7 +7,7 @@
  *
  * Everything here runs before the agent starts a thread: the signals the
  * agent handles are blocked now, so that every thread inherits the mask,
- * and arrive as events on a signalfd in the agent's poll() loop (agent.c).
+ * and arrive as events on a signalfd in the agent's poll() loop (loop.c).
  */
 #include "agent.h"
 #include "options.h"

@@ -6,8 +6,8 @@
  * over): the thread ends by itself and its answer goes nowhere. Every
  * thread still running is counted in one counter the agent keeps, so that
  * it leaves libcurl's globals alone while one is. The MASTER_PORT wait and
- * publish (master.c), the failure reports and the job's completion
- * (agent.c) are tasks.
+ * publish (master.c), the failure reports (report.c) and the job's
+ * completion (finish.c) are tasks.
  */
 #ifndef DUCTILE_AGENT_TASK_H
 #define DUCTILE_AGENT_TASK_H

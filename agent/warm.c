@@ -7,7 +7,8 @@
  * and installs it before running the worker's code, which then sees just
  * what a fresh `python SCRIPT` would. Everything else is a worker's: the
  * spare is started by agent_child_start with a worker's pipes, and once
- * adopted the agent treats it as one.
+ * adopted the agent treats it as one. The spares use workers.h, never the
+ * other way round: a launch adopts them through agent_warm_adopt.
  */
 #include "warm.h"
 
@@ -232,9 +233,11 @@ static int go_write(int fd, const char *data, size_t len)
     return 0;
 }
 
-int agent_warm_take(agent_warm *wm, int lr, const agent_round_env *env, const char *error_file,
-                    agent_worker *w)
+/* agent_adopt's take (workers.h) for the spares of ctx. */
+static int warm_take(void *ctx, int lr, const agent_round_env *env, const char *error_file,
+                     agent_worker *w)
 {
+    agent_warm *wm = ctx;
     if (!wm->argv || lr >= wm->n || wm->s[lr].w.pid <= 0) return -1;
     agent_spare *sp = &wm->s[lr];
     size_t len = 0;
@@ -250,6 +253,11 @@ int agent_warm_take(agent_warm *wm, int lr, const agent_round_env *env, const ch
     *w = sp->w; /* its pipes are the worker's now */
     spare_clear(sp, 0);
     return 0;
+}
+
+agent_adopt agent_warm_adopt(agent_warm *wm)
+{
+    return (agent_adopt){.take = warm_take, .ctx = wm};
 }
 
 int agent_warm_reaped(agent_warm *wm, pid_t pid, int status, const dlog *lg)

@@ -24,13 +24,13 @@ typedef struct agent_spare {
     int starts;     /* started since the last launch: one start, one restart */
 } agent_spare;
 
-struct agent_warm {
+typedef struct agent_warm {
     char **argv;         /* a spare's command; NULL: no spares */
     const char *modules; /* comma list to import */
     int local_world_size;
     int n; /* one slot per local rank */
     agent_spare *s;
-};
+} agent_warm;
 
 /* Seconds after a launch before the next restart's spares start: the new
  * workers start without an import of torch beside them on their cores. */
@@ -47,11 +47,11 @@ int agent_warm_init(agent_warm *wm, char *const cmd[], const char *preload, int 
 void agent_warm_fill(agent_warm *wm, const dlog *lg);
 /* A round's workers were launched: every rank may start a spare again. */
 void agent_warm_new_round(agent_warm *wm);
-/* Local rank lr's spare becomes the worker w (zeroed, then its process and
- * pipes) of the round env describes: 0. -1 when it has none alive, or the
- * environment could not be handed over (the spare is then killed). */
-int agent_warm_take(agent_warm *wm, int lr, const agent_round_env *env, const char *error_file,
-                    agent_worker *w);
+/* What a launch adopts the spares of wm through (agent_workers_spawn): its
+ * take makes local rank lr's spare the worker w (zeroed, then its process
+ * and pipes) of the round env describes: 0. -1 when it has none alive, or
+ * the environment could not be handed over (the spare is then killed). */
+agent_adopt agent_warm_adopt(agent_warm *wm);
 /* 1 when pid was a spare (now reaped and its slot empty), else 0. */
 int agent_warm_reaped(agent_warm *wm, pid_t pid, int status, const dlog *lg);
 /* Kills and reaps every spare, closes their pipes, frees wm. */

@@ -6,13 +6,13 @@
  * written to torchrun's per-rank files, logs.h, when asked), and one end of a
  * socketpair as DUCTILE_CONTROL_FD. A warm spare (warm.c) is
  * started the same way, with a go pipe besides, and a launch may adopt it
- * as a rank's worker instead of forking one. Children die with the agent
+ * as a rank's worker instead of forking one, through the agent_adopt it is
+ * given: this file knows nothing of the spares. Children die with the agent
  * (PR_SET_PDEATHSIG), as they would with the pod. Everything a child needs is
  * built before fork(): between fork and exec only async-signal-safe calls run,
  * because the agent has other threads (rendezvous driver, HTTP server).
  */
 #include "workers.h"
-#include "warm.h"
 
 #include "ductile/control.h"
 
@@ -334,19 +334,19 @@ static void logs_close(agent_worker *w)
     w->error_file = NULL;
 }
 
-/* Local rank lr's worker: its warm spare when one is ready, else a fresh
- * process. torchrun's files are opened first: the worker's environment
- * names its error file. */
+/* Local rank lr's worker: the one adopt has for it (a warm spare), else a
+ * fresh process. torchrun's files are opened first: the worker's
+ * environment names its error file. */
 static int spawn_one(agent_worker *w, const agent_round_env *env, int lr, char *const argv[],
-                     agent_warm *wm, int *warm, char *msg, size_t msglen)
+                     const agent_adopt *adopt, int *adopted, char *msg, size_t msglen)
 {
     agent_worker files;
     memset(&files, 0, sizeof(files));
     files.out_log = files.err_log = -1;
     files.console = AGENT_STD_OUT | AGENT_STD_ERR;
     if (env->logs && logs_open(&files, env->logs, lr, msg, msglen) != 0) goto err;
-    if (wm && agent_warm_take(wm, lr, env, files.error_file, w) == 0) {
-        (*warm)++;
+    if (adopt && adopt->take(adopt->ctx, lr, env, files.error_file, w) == 0) {
+        (*adopted)++;
     } else {
         char **envp = env_build(env, lr, files.error_file);
         if (!envp) {
@@ -370,9 +370,9 @@ err:
 }
 
 int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
-                        agent_warm *wm, int *warm, char *msg, size_t msglen)
+                        const agent_adopt *adopt, int *adopted, char *msg, size_t msglen)
 {
-    *warm = 0;
+    *adopted = 0;
     int k = env->local_world_size;
     memset(ws, 0, sizeof(*ws));
     ws->w = calloc((size_t)k, sizeof(agent_worker));
@@ -381,7 +381,7 @@ int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *con
         return -1;
     }
     for (int i = 0; i < k; i++) {
-        if (spawn_one(&ws->w[i], env, i, argv, wm, warm, msg, msglen) != 0) {
+        if (spawn_one(&ws->w[i], env, i, argv, adopt, adopted, msg, msglen) != 0) {
             /* Take back the ones already started. */
             for (int j = 0; j < i; j++) {
                 kill(-ws->w[j].pid, SIGKILL);

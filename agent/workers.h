@@ -83,15 +83,23 @@ typedef struct agent_round_env {
     const agent_logs *logs; /* its attempt directory made; NULL: no files */
 } agent_round_env;
 
-/* The warm spares (warm.h). */
-typedef struct agent_warm agent_warm;
+/* Where a launch may find a rank's worker ready-made instead of forking
+ * one (the warm spares give one: agent_warm_adopt, warm.h). take makes w
+ * local rank lr's worker in the round env describes, error_file its
+ * TORCHELASTIC_ERROR_FILE or NULL, and returns 0; or returns -1 when it
+ * has none for lr. Workers know nothing else of where it came from. */
+typedef struct agent_adopt {
+    int (*take)(void *ctx, int lr, const agent_round_env *env, const char *error_file,
+                agent_worker *w);
+    void *ctx;
+} agent_adopt;
 
-/* Starts env->local_world_size workers running argv; a local rank whose
- * warm spare in wm (may be NULL) is ready adopts it instead, and *warm
+/* Starts env->local_world_size workers running argv; a local rank that
+ * adopt (may be NULL) has a worker for takes it instead, and *adopted
  * counts those. 0 on success; on failure msg says why and nothing is left
  * running. */
 int agent_workers_spawn(agent_workers *ws, const agent_round_env *env, char *const argv[],
-                        agent_warm *wm, int *warm, char *msg, size_t msglen);
+                        const agent_adopt *adopt, int *adopted, char *msg, size_t msglen);
 /* Starts one child running argv with envp, wired as a worker is (stdout,
  * stderr, the control channel at fd 3, its own process group, killed with
  * the agent) into w (zeroed first). With go_w, also a pipe whose read end
