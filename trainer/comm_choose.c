@@ -14,7 +14,7 @@
  *                            failure report ends the round for everyone;
  *   "hosts H0 H1 ..."        the CPU, each rank's host index (in order of
  *                            first appearance): shared memory within a
- *                            host, the ring among hosts (comm_shm.c);
+ *                            host, the ring among hosts (comm_cpu.c);
  *   "ring"                   the CPU, the ring alone (a rank forced to it
  *                            sits on a host of its own, or a host has more
  *                            ranks than a segment takes);

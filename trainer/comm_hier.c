@@ -5,8 +5,9 @@
  * collective is local, then between hosts, then local again: allreduce is
  * a local allreduce, the leaders' ring allreduce of the host sums, and a
  * local broadcast from the leader; so the slow network carries each byte
- * once per host instead of once per rank. comm_cpu_init builds the parts
- * (which rank is on which host is rank 0's decision in the round store).
+ * once per host instead of once per rank. comm_cpu_init (comm_cpu.c)
+ * builds the parts (which rank is on which host is rank 0's decision in
+ * the round store).
  *
  * Failure: the first part to fail fails the whole comm, and this rank then
  * aborts both parts, so its local peers (the segment's dead word) and the

@@ -5,7 +5,7 @@
  * Pointers are device memory; every launcher enqueues on the given stream
  * and returns at once with 0 or the cudaError_t of the launch, so a C file
  * needs no CUDA header to call them. Matrix products are not here: they go
- * through cuBLAS in gpu_cuda.c.
+ * through cuBLAS in gpu_model_cuda.c.
  */
 #ifndef DUCTILE_KERNELS_H
 #define DUCTILE_KERNELS_H

@@ -84,12 +84,13 @@ typedef struct comm comm;
 /* CPU: TCP ring. On failure *out is NULL and cfg->msg, when set, says why
  * in one line. */
 comm_err comm_ring_init(const comm_config *cfg, comm **out);
-/* CPU: shared memory (comm_shm.c) when every rank shares one host (the
- * same kernel and network namespace, decided by rank 0 from what each rank
- * publishes in the round store), the TCP ring when every rank is on a host
- * of its own, and both (comm_hier.c: shared memory on each host, the ring
- * among one leader per host) in between; cfg->transport forces the ring
- * or shared memory alone. Fails as comm_ring_init does. */
+/* CPU (comm_cpu.c chooses): shared memory (comm_shm.c) when every rank
+ * shares one host (the same kernel and network namespace, decided by rank
+ * 0 from what each rank publishes in the round store), the TCP ring when
+ * every rank is on a host of its own, and both (comm_hier.c: shared
+ * memory on each host, the ring among one leader per host) in between;
+ * cfg->transport forces the ring or shared memory alone. Fails as
+ * comm_ring_init does. */
 comm_err comm_cpu_init(const comm_config *cfg, comm **out);
 /* GPU: NCCL (only when built with CUDA; else COMM_ERR_ARG). Fails as
  * comm_ring_init does. */
