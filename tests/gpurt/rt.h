@@ -1,6 +1,6 @@
 /* rt.h: the host GPU test runtime's insides (tests/gpurt, private).
  *
- * -DDUCTILE_GPU_RUNTIME=host builds the trainer's GPU sources (gpu_cuda.c,
+ * -DDUCTILE_GPU_RUNTIME=host builds the trainer's GPU sources (gpu_cuda.c, gpu_model_cuda.c,
  * comm_nccl.c) against this runtime instead of libcudart, libcublas and
  * libnccl. It is for correctness, not speed: it checks what the real thing
  * only crashes on, and keeps the real thing's semantics where they hurt.

@@ -3,7 +3,7 @@
  * The one idea: a GEMM is a stream op on the handle's stream that calls
  * OpenBLAS's cblas_sgemm with cuBLAS's own column-major arguments
  * (CblasColMajor), so the trainer's mapping of its row-major products onto
- * column-major cuBLAS (gpu_cuda.c swaps the operands) is exercised as on
+ * column-major cuBLAS (gpu_model_cuda.c swaps the operands) is exercised as on
  * the GPU: a mapping that is wrong gives wrong numbers here too. The call
  * checks what cuBLAS checks (sizes, leading dimensions: INVALID_VALUE) and
  * what cuBLAS cannot: each matrix is device memory over its exact extent,
