@@ -2,10 +2,10 @@
 """The shape of the code (docs/design.md, "Reading the code"), checked.
 
 A source file holds one concern and stays at or under 700 lines; a function
-of the agent, the rendezvous, the trainer or the control protocol fits a
-screen (80 lines, its signature to its closing brace). Prints each file and
-function over its limit and exits 1; with --report, prints the five largest
-files and every function over 80 lines and exits 0.
+of the agent, the rendezvous, the trainer, the control protocol or a public
+header fits a screen (80 lines, its signature to its closing brace). Prints
+each file and function over its limit and exits 1; with --report, prints the
+five largest files and every function over 80 lines and exits 0.
 """
 import os
 import re
@@ -16,7 +16,7 @@ FILE_LIMIT = 700
 FUNC_LIMIT = 80
 SOURCE_DIRS = ("common", "control", "rendezvous", "agent", "trainer", "include", "tests",
                "bench", "python")
-FUNC_DIRS = ("common", "control", "rendezvous", "agent", "trainer")
+FUNC_DIRS = ("common", "control", "rendezvous", "agent", "trainer", "include")
 SUFFIXES = (".c", ".h", ".cu", ".py", ".sh")
 # A function definition: a line at column 0 that names a function and does
 # not end in ';' (a declaration), its body opened by '{' at the line's end or
