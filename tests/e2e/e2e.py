@@ -36,16 +36,25 @@ restart. `core-contended` and `gpu-contended` are the shorter lists that run
 again with every core kept busy (make test's time): each fault path of the
 core once, in the mode where its timing is tightest.
 
+The reference run can be shared: `reference` runs it alone and writes it to
+--reference-file F, and a later invocation given the same F reads it from
+there instead of running it (make test runs it once, as a ctest fixture,
+for the core's scenarios that run one per test). `--list SUITE` prints a
+suite's cases, one a line (for tests/e2e/CMakeLists.txt).
+
 The scenarios are in scenarios.py and scenarios_gpu.py, the job they run
 and the checks in job.py; this file holds the suites and the driver.
 
 usage: e2e.py --agent A --train T [--data DIR] [--seed S] [--chaos-seed S]
-              [--device cpu|cuda] SCENARIO[:MODE]... | all | core | gpu | chaos
-              | core-contended | gpu-contended
+              [--device cpu|cuda] [--reference-file F]
+              SCENARIO[:MODE]... | all | core | gpu | chaos
+              | core-contended | gpu-contended | reference
+       e2e.py --list SUITE...
 Exit 0 when every scenario passes, 77 when all were skipped, else 1.
 """
 import argparse
 import collections
+import json
 import os
 import random
 import shutil
@@ -95,6 +104,8 @@ CORE = ["worker_kill:inplace", "agent_kill:restart", "scale_down:inplace", "scal
 CORE_CONTENDED = ["worker_kill:inplace", "agent_kill:restart", "scale_up:inplace",
                   "etcd_pause:inplace", "hung_worker:inplace"]
 GPU_CONTENDED = ["agent_kill:inplace", "scale_up:restart", "hot_spare:inplace"]
+SUITES = {"core": CORE, "gpu": GPU_CORE, "core-contended": CORE_CONTENDED,
+          "gpu-contended": GPU_CONTENDED}
 
 
 class Env:
@@ -105,11 +116,35 @@ class Env:
         self.workdir = tempfile.mkdtemp(prefix="ductile-e2e-")
         self.keep = bool(os.environ.get("KEEP"))
         self.chaos_seed = a.chaos_seed if a.chaos_seed is not None else random.randrange(1 << 30)
+        self.ref_file = a.reference_file
 
     def job(self, name, mode, **kw):
         return Job(self, name, mode, **kw)
 
     def reference(self, epochs):
+        """The accuracy of an uninterrupted run of `epochs`: the one the
+        reference file holds for this seed, else run here (and kept there)."""
+        key = "%d:%d" % (self.seed, epochs)
+        if self.ref_file and key in self.saved_refs():
+            acc = self.saved_refs()[key]
+            log("reference (3 agents, uninterrupted, from %s): accuracy %.4f" % (self.ref_file, acc))
+            return acc
+        acc = self.reference_run(epochs)
+        if self.ref_file:
+            refs = dict(self.saved_refs(), **{key: acc})
+            with open(self.ref_file + ".tmp", "w") as f:
+                json.dump(refs, f)
+            os.replace(self.ref_file + ".tmp", self.ref_file)
+        return acc
+
+    def saved_refs(self):
+        try:
+            with open(self.ref_file) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def reference_run(self, epochs):
         job = self.job("reference", "inplace", epochs=epochs)
         try:
             for _ in range(3):
@@ -168,8 +203,62 @@ def on_term(sig, frame):
     raise SystemExit("e2e: signal %d: cleaning up" % sig)
 
 
+def expand(names, device):
+    """The cases the command line names: suites expanded, SCENARIO[:MODE] kept."""
+    cases = []
+    for c in names:
+        if c in SUITES:
+            cases += SUITES[c]
+        elif c == "all":
+            cases += ["%s:%s" % (k, m) for k, (_, modes) in SCENARIOS.items() for m in modes
+                      if k not in GPU_ONLY or device == "cuda"]
+        else:
+            cases.append(c)
+    return cases
+
+
+def run_one(env, fn, m, ref):
+    """One scenario in one mode: (PASS|SKIP|FAIL, why), /dev/shm checked after."""
+    shm_before = dev_shm()
+    try:
+        fn(env, m, ref)
+        left = dev_shm_leaks(shm_before)
+        check(not left, "left in /dev/shm: %s" % " ".join(left))
+        return "PASS", ""
+    except Skip as e:
+        return "SKIP", str(e)
+    except Fail as e:
+        return "FAIL", str(e)
+
+
+def run(env, cases):
+    """The cases in order, each scenario in each of its modes: the results,
+    or 2 for an unknown scenario. A reference run that fails raises Fail."""
+    results = []
+    table = dict(SCENARIOS, **CHAOS)
+    refs = {}
+    for c in cases:
+        name, _, mode = c.partition(":")
+        if name not in table:
+            log("unknown scenario %s" % name)
+            return 2
+        epochs = CHAOS_EPOCHS if name in CHAOS else env.epochs
+        if epochs not in refs:
+            refs[epochs] = env.reference(epochs) if env.device == "cpu" else None
+        fn, modes = table[name]
+        for m in ([mode] if mode else modes):
+            t = time.monotonic()
+            results.append((c, m) + run_one(env, fn, m, refs[epochs]))
+            log("%s %s: %s (%.0f s) %s" % (name, m, results[-1][2], time.monotonic() - t,
+                                           results[-1][3]))
+    return results
+
+
 def main():
     signal.signal(signal.SIGTERM, on_term)
+    if sys.argv[1:2] == ["--list"]:  # for tests/e2e/CMakeLists.txt: a suite's cases
+        print("\n".join(expand(sys.argv[2:], "cpu")))
+        return 0
     p = argparse.ArgumentParser()
     p.add_argument("--agent", required=True)
     p.add_argument("--train", required=True)
@@ -178,52 +267,19 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--chaos-seed", type=int)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--reference-file")
     p.add_argument("cases", nargs="+")
     a = p.parse_args()
-    cases = []
-    for c in a.cases:
-        if c == "core":
-            cases += CORE
-        elif c == "gpu":
-            cases += GPU_CORE
-        elif c == "core-contended":
-            cases += CORE_CONTENDED
-        elif c == "gpu-contended":
-            cases += GPU_CONTENDED
-        elif c == "all":
-            cases += ["%s:%s" % (k, m) for k, (_, modes) in SCENARIOS.items() for m in modes
-                      if k not in GPU_ONLY or a.device == "cuda"]
-        else:
-            cases.append(c)
+    only_ref = a.cases == ["reference"]
+    if only_ref and not a.reference_file:
+        p.error("reference needs --reference-file")
+    if only_ref and os.path.exists(a.reference_file):
+        os.unlink(a.reference_file)  # run anew: the build's binaries may have changed
     env = Env(a)
-    results = []
-    table = dict(SCENARIOS, **CHAOS)
     try:
-        refs = {}
-        for c in cases:
-            name, _, mode = c.partition(":")
-            if name not in table:
-                log("unknown scenario %s" % name)
-                return 2
-            epochs = CHAOS_EPOCHS if name in CHAOS else env.epochs
-            if epochs not in refs:
-                refs[epochs] = env.reference(epochs) if env.device == "cpu" else None
-            ref = refs[epochs]
-            fn, modes = table[name]
-            for m in ([mode] if mode else modes):
-                t = time.monotonic()
-                shm_before = dev_shm()
-                try:
-                    fn(env, m, ref)
-                    left = dev_shm_leaks(shm_before)
-                    check(not left, "left in /dev/shm: %s" % " ".join(left))
-                    results.append((c, m, "PASS", ""))
-                except Skip as e:
-                    results.append((c, m, "SKIP", str(e)))
-                except Fail as e:
-                    results.append((c, m, "FAIL", str(e)))
-                log("%s %s: %s (%.0f s) %s" % (name, m, results[-1][2], time.monotonic() - t,
-                                               results[-1][3]))
+        results = [] if only_ref else run(env, expand(a.cases, a.device))
+        if only_ref:
+            env.reference(env.epochs)
     except Fail as e:
         log("reference run failed: %s" % e)
         return 1
@@ -232,6 +288,8 @@ def main():
             shutil.rmtree(env.workdir, ignore_errors=True)
         else:
             log("kept", env.workdir)
+    if results == 2:
+        return 2
     for c, m, r, why in results:
         print("%-4s %-14s %-8s %s" % (r, c.partition(":")[0], m, why))
     if any(r == "FAIL" for _, _, r, _ in results):
