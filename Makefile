@@ -42,7 +42,7 @@ asan: deps
 
 # Every test, under ASan/UBSan (the GPU ones on the host test runtime); the
 # optimised build is compiled too so its warnings count, CUDA's included. A test runs once: one that passes only on a second try is
-# a bug. The agent and e2e tests run again with every core kept busy
+# a bug. Each e2e fault path runs again with every core kept busy
 # (tests/harness/contend.py); those run alone (RUN_SERIAL), the rest $(JOBS)
 # at a time, so no test may depend on a quiet machine. The ten slowest are
 # listed at the end, then ctest's count again, as the last line.
@@ -53,7 +53,9 @@ test: build asan
 	  rc=$$?; python3 $(CURDIR)/tests/harness/slowest.py Testing/Temporary/LastTest.log; \
 	  grep -E 'tests passed, [0-9]+ tests? failed out of' ctest.log | tail -1; exit $$rc
 
-# Soak and chaos runs: longer than `make test`.
+# Soak and chaos runs, the whole e2e matrix, and the agent tests again with
+# every core kept busy (agent.*.contended, one at a time): longer than
+# `make test`.
 test-long: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 3600 -L long
 
