@@ -42,7 +42,8 @@ asan: deps
 
 # Every test, under ASan/UBSan (the GPU ones on the host test runtime); the
 # optimised build is compiled too so its warnings count, CUDA's included. A test runs once: one that passes only on a second try is
-# a bug. The agent and e2e tests run again with every core kept busy
+# a bug. Each fault path of the e2e core, and the GPU path's local NCCL
+# failure, run again with every core kept busy
 # (tests/harness/contend.py); those run alone (RUN_SERIAL), the rest $(JOBS)
 # at a time, so no test may depend on a quiet machine. The ten slowest are
 # listed at the end, then ctest's count again, as the last line.
@@ -53,9 +54,15 @@ test: build asan
 	  rc=$$?; python3 $(CURDIR)/tests/harness/slowest.py Testing/Temporary/LastTest.log; \
 	  grep -E 'tests passed, [0-9]+ tests? failed out of' ctest.log | tail -1; exit $$rc
 
-# Soak and chaos runs: longer than `make test`.
-test-long: build
+# Soak and chaos runs, the whole e2e matrix, and the agent tests and the GPU
+# e2e core again with every core kept busy (agent.*.contended,
+# e2e.gpu.contended; one at a time): longer than `make test`. The GPU e2e
+# tests exist in the sanitizer build only (the host test runtime).
+test-long: build asan
 	cd $(BUILD) && ctest --output-on-failure --timeout 3600 -L long
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --output-on-failure --timeout 3600 -L long -R '^e2e\.gpu\.'
 
 # PyTorch under the agent: an unmodified DDP script, and scripts rebuilt in
 # place by ductile.torch (python/, installed here with pip as a user would;
