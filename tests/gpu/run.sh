@@ -380,7 +380,7 @@ step_pod_kill_join() {
     fi
 }
 
-# e2e.py's GPU core as CMakeLists.txt runs it for e2e.gpu (pod kill, join,
+# e2e.py's GPU core as CMakeLists.txt runs it for e2e.gpu.* (pod kill, join,
 # hot spare; in place and by restart), unchanged, on real GPUs: its agents
 # n1, n2, ... each run one rank, and NCCL refuses two ranks on one GPU, so
 # e2e.py is handed a wrapper that starts agent nK on GPU K-1 alone. Up to
