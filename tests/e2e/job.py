@@ -177,6 +177,15 @@ class Job:
                 raise Fail("agent %s exited %d: %s" % (name, a.proc.returncode,
                                                       tail(a.text())))
 
+    # `with env.job(...) as job:` stops what the job started, however the
+    # scenario ends.
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cleanup()
+        return False
+
     def cleanup(self):
         for a in self.agents.values():
             if a.proc.poll() is None:
@@ -190,6 +199,19 @@ class Job:
             s = json.load(f)
         check(s.get("stopped_by") == "epochs", "stopped by %s" % s.get("stopped_by"))
         return s["test_accuracy"]
+
+
+def once_wrapper(job, tag, failpoints):
+    """A worker prefix that arms failpoints for the first worker process it
+    starts only: the one its agent starts next runs clean."""
+    once = os.path.join(job.dir, tag + "-once")
+    return ["sh", "-c", 'if mkdir "$0" 2>/dev/null; then '
+            'export DUCTILE_FAILPOINTS="%s"; fi; exec "$@"' % failpoints, once]
+
+
+def restart_counts(job):
+    return [int(m) for ag in job.agents.values()
+            for m in re.findall(r"restarts now (\d+)", ag.text())]
 
 
 def tail(text, n=15):

@@ -14,13 +14,12 @@ import signal
 import subprocess
 import time
 import urllib.request
-from job import CHAOS_EPOCHS, log, start_three, tail, verify, wait_for
+from job import CHAOS_EPOCHS, log, once_wrapper, restart_counts, start_three, tail, verify, wait_for
 from testlib import Etcd, Fail, Netns, Skip, check
 
 
 def sc_worker_kill(env, mode, ref):
-    job = env.job("worker-kill-" + mode, mode)
-    try:
+    with env.job("worker-kill-" + mode, mode) as job:
         start_three(job)
         a = job.agents["n2"]
         pids = a.workers()
@@ -28,27 +27,21 @@ def sc_worker_kill(env, mode, ref):
         log("SIGKILL worker %d of n2" % pids[0])
         os.kill(pids[0], signal.SIGKILL)
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_agent_kill(env, mode, ref):
     # A pod lost is a membership change: with no restart budget at all, the
     # job carries on at 2 and finishes (every survivor exits 0).
-    job = env.job("agent-kill-" + mode, mode, max_restarts=0)
-    try:
+    with env.job("agent-kill-" + mode, mode, max_restarts=0) as job:
         start_three(job)
         log("SIGKILL agent n3 with its worker")
         job.agents["n3"].kill_tree()
         job.wait_round(job.agents["n1"], 2)
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_scale_down(env, mode, ref):
-    job = env.job("scale-down-" + mode, mode, max_restarts=0)
-    try:
+    with env.job("scale-down-" + mode, mode, max_restarts=0) as job:
         start_three(job)
         log("SIGTERM agent n3")
         job.agents["n3"].signal(signal.SIGTERM)
@@ -56,17 +49,14 @@ def sc_scale_down(env, mode, ref):
         check(job.agents["n3"].proc.returncode == 0,
               "SIGTERM'd agent exited %d" % job.agents["n3"].proc.returncode)
         verify(job, ref, no_step_lost=True)
-    finally:
-        job.cleanup()
 
 
 def sc_scale_up(env, mode, ref):
     # Steps 12 and 13 of every trainer take over 5 s (a slow GPU step): the
     # fourth agent joins during them, and the step in flight must finish, not
     # be lost, whatever the time it takes.
-    job = env.job("scale-up-" + mode, mode, max_restarts=0,
-                  agent_env={"DUCTILE_WORKER_FAILPOINTS": "train.step=12-13:sleep:5000"})
-    try:
+    with env.job("scale-up-" + mode, mode, max_restarts=0,
+                 agent_env={"DUCTILE_WORKER_FAILPOINTS": "train.step=12-13:sleep:5000"}) as job:
         for _ in range(3):
             job.start()
         job.wait_step(10)
@@ -74,13 +64,10 @@ def sc_scale_up(env, mode, ref):
         job.start()
         job.wait_round(job.agents["n1"], 4)
         verify(job, ref, no_step_lost=True)
-    finally:
-        job.cleanup()
 
 
 def sc_hot_spare(env, mode, ref):
-    job = env.job("hot-spare-" + mode, mode, nnodes="3:3")
-    try:
+    with env.job("hot-spare-" + mode, mode, nnodes="3:3") as job:
         start_three(job)
         spare = job.start()
         wait_for(lambda: "hot spare" in spare.text(), 60, "the spare to wait")
@@ -88,13 +75,10 @@ def sc_hot_spare(env, mode, ref):
         job.agents["n1"].kill_tree()
         job.wait_round(job.agents["n2"], 3)
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_below_min(env, mode, ref):
-    job = env.job("below-min-" + mode, mode, nnodes="3:3")
-    try:
+    with env.job("below-min-" + mode, mode, nnodes="3:3") as job:
         start_three(job)
         log("SIGKILL agent n3: below min_nodes, training pauses")
         job.agents["n3"].kill_tree()
@@ -105,42 +89,33 @@ def sc_below_min(env, mode, ref):
         log("a node returns")
         job.start()
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_etcd_restart(env, mode, ref):
-    job = env.job("etcd-restart-" + mode, mode)
-    try:
+    with env.job("etcd-restart-" + mode, mode) as job:
         start_three(job)
         log("etcd restarted")
         job.etcd.kill()
         time.sleep(2)
         job.etcd.start()
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_etcd_pause(env, mode, ref):
     # A 10 s outage with the agent's default 10 s lease: the leases may
     # expire when etcd resumes, and then every agent registers again and
     # the job goes on from the survivors' state.
-    job = env.job("etcd-pause-" + mode, mode, ttl=10)
-    try:
+    with env.job("etcd-pause-" + mode, mode, ttl=10) as job:
         start_three(job)
         log("etcd unreachable for 10 s (SIGSTOP)")
         os.kill(job.etcd.proc.pid, signal.SIGSTOP)
         time.sleep(10)
         os.kill(job.etcd.proc.pid, signal.SIGCONT)
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_slow_node(env, mode, ref):
-    job = env.job("slow-node-" + mode, mode)
-    try:
+    with env.job("slow-node-" + mode, mode) as job:
         start_three(job)
         pid = job.agents["n2"].workers()[0]
         log("worker of n2 10x slower for 8 s (SIGSTOP 90 ms / SIGCONT 10 ms)")
@@ -151,8 +126,6 @@ def sc_slow_node(env, mode, ref):
             os.kill(pid, signal.SIGCONT)
             time.sleep(0.01)
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_hung_worker(env, mode, ref):
@@ -160,8 +133,8 @@ def sc_hung_worker(env, mode, ref):
     # own agent's watchdog, counted once as that node's failure, and the job
     # goes on: its peers are not blamed, and the hung process is never
     # carried into the next round.
-    job = env.job("hung-worker-" + mode, mode, max_restarts=3, agent_args=["--hang-timeout", "4"])
-    try:
+    with env.job("hung-worker-" + mode, mode, max_restarts=3,
+                 agent_args=["--hang-timeout", "4"]) as job:
         start_three(job)
         a = job.agents["n2"]
         pid = a.workers()[0]
@@ -174,16 +147,13 @@ def sc_hung_worker(env, mode, ref):
         hung = [ln for ln in a.text().splitlines() if re.search(r"\(pid \d+\) hung:", ln)]
         check(hung and "killing it" in hung[0], "no watchdog line on n2: %s" % tail(a.text(), 5))
         log("n2: %s" % hung[0])
-        counts = [int(m) for ag in job.agents.values()
-                  for m in re.findall(r"restarts now (\d+)", ag.text())]
+        counts = restart_counts(job)
         check(counts and max(counts) == 1, "restarts recorded %s: want exactly one" % counts)
         for ag in job.agents.values():
             if ag is a:
                 continue
             check(not re.search(r"\(pid \d+\) hung:", ag.text()),
                   "%s's worker was killed for n2's hang" % ag.name)
-    finally:
-        job.cleanup()
 
 
 def sc_stuck_step(env, mode, ref):
@@ -192,15 +162,12 @@ def sc_stuck_step(env, mode, ref):
     # agent kills it after --hang-timeout of no progress in local work. Its
     # peers wait for it in a collective the while, which is not watched:
     # they are neither killed nor blamed.
-    job = env.job("stuck-step-" + mode, mode, max_restarts=3, agent_args=["--hang-timeout", "5"])
-    try:
+    with env.job("stuck-step-" + mode, mode, max_restarts=3,
+                 agent_args=["--hang-timeout", "5"]) as job:
         # Only the first trainer of n2 is stuck: the one its agent starts
         # after the kill trains normally.
-        once = os.path.join(job.dir, "stuck-once")
-        wrapper = ["sh", "-c", 'if mkdir "$0" 2>/dev/null; then '
-                   'export DUCTILE_FAILPOINTS="train.step=12:sleep:30000"; fi; exec "$@"', once]
         job.start()
-        stuck = job.start(worker_prefix=wrapper)
+        stuck = job.start(worker_prefix=once_wrapper(job, "stuck", "train.step=12:sleep:30000"))
         job.start()
         verify(job, ref)
         hung = [ln for ln in stuck.text().splitlines() if re.search(r"\(pid \d+\) hung:", ln)]
@@ -211,16 +178,12 @@ def sc_stuck_step(env, mode, ref):
             if ag is not stuck:
                 check(not re.search(r"\(pid \d+\) hung:", ag.text()),
                       "%s's waiting worker was killed" % ag.name)
-        counts = [int(m) for ag in job.agents.values()
-                  for m in re.findall(r"restarts now (\d+)", ag.text())]
+        counts = restart_counts(job)
         check(counts and max(counts) == 1, "restarts recorded %s: want exactly one" % counts)
-    finally:
-        job.cleanup()
 
 
 def sc_duplicate_id(env, mode, ref):
-    job = env.job("duplicate-id-" + mode, mode)
-    try:
+    with env.job("duplicate-id-" + mode, mode) as job:
         start_three(job)
         dup = job.start(name="dup", node_id="n2")
         dup.proc.wait(60)
@@ -231,8 +194,6 @@ def sc_duplicate_id(env, mode, ref):
         log("duplicate node id refused: %s" % tail(text, 1))
         dup.killed = True
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_disk_full(env, mode, ref):
@@ -281,8 +242,7 @@ def sc_netns(env, mode, ref):
         link.setup()
         etcd = Etcd(env.workdir, hosts=("127.0.0.1", host_ip))
         etcd.start()
-        job = env.job("netns-" + mode, mode, etcd=etcd)
-        try:
+        with env.job("netns-" + mode, mode, etcd=etcd) as job:
             # The three root-namespace agents reach each other on 127.0.0.1 and
             # the namespaced node on the veth: their ring listens on host_ip.
             # The cut node joins first: rank 0 of round 1, the one that saves.
@@ -317,8 +277,6 @@ def sc_netns(env, mode, ref):
             rounds = [int(m) for m in re.findall(r"ckpt-r(\d+)-", " ".join(os.listdir(job.ck)))]
             check(rounds and min(rounds) >= 2, "checkpoints of round 1 left: %s" % rounds)
             log("cut-off node: %s" % tail(after, 1))
-        finally:
-            job.cleanup()
             etcd.stop()
     finally:
         link.close()

@@ -6,23 +6,9 @@ visible GPU a worker, and the GPU path's accuracy beside the CPU's. The
 failures are armed by failpoints in the first worker process only
 (once_wrapper), so the worker its agent starts next runs clean.
 """
-import os
 import re
-from job import FAULT_EPOCHS, GPU_CPU_TOL, log, tail, verify
+from job import FAULT_EPOCHS, GPU_CPU_TOL, log, once_wrapper, restart_counts, tail, verify
 from testlib import check
-
-
-def once_wrapper(job, tag, failpoints):
-    """A worker prefix that arms failpoints for the first worker process it
-    starts only: the one its agent starts next runs clean."""
-    once = os.path.join(job.dir, tag + "-once")
-    return ["sh", "-c", 'if mkdir "$0" 2>/dev/null; then '
-            'export DUCTILE_FAILPOINTS="%s"; fi; exec "$@"' % failpoints, once]
-
-
-def restart_counts(job):
-    return [int(m) for ag in job.agents.values()
-            for m in re.findall(r"restarts now (\d+)", ag.text())]
 
 
 def sc_sticky_error(env, mode, ref):
@@ -30,8 +16,7 @@ def sc_sticky_error(env, mode, ref):
     # an illegal address or an Xid would give): every later CUDA call
     # answers it, so the process exits and its agent starts a fresh one,
     # which takes the state from the survivors; one failure is counted.
-    job = env.job("sticky-" + mode, mode, max_restarts=3, epochs=FAULT_EPOCHS)
-    try:
+    with env.job("sticky-" + mode, mode, max_restarts=3, epochs=FAULT_EPOCHS) as job:
         job.start()
         sick = job.start(worker_prefix=once_wrapper(
             job, "sticky", "gpurt.cuda.kern_relu_backward=40:async"))
@@ -43,31 +28,25 @@ def sc_sticky_error(env, mode, ref):
               == 1, "the poisoned worker did not exit exactly once")
         counts = restart_counts(job)
         check(counts and max(counts) == 1, "restarts recorded %s: want exactly one" % counts)
-    finally:
-        job.cleanup()
 
 
 def sc_local_nccl(env, mode, ref):
     # One trainer's NCCL call fails with ncclSystemError while every peer
     # is alive (memlock, /dev/shm, a pids limit): its own failure, counted
     # once; its peers' loss of it is not counted.
-    job = env.job("local-nccl-" + mode, mode, max_restarts=3, epochs=FAULT_EPOCHS)
-    try:
+    with env.job("local-nccl-" + mode, mode, max_restarts=3, epochs=FAULT_EPOCHS) as job:
         job.start()
         job.start(worker_prefix=once_wrapper(job, "nccl", "gpurt.nccl.ncclAllReduce=40:async:system"))
         job.start()
         verify(job, ref)
         counts = restart_counts(job)
         check(counts and max(counts) == 1, "restarts recorded %s: want exactly one" % counts)
-    finally:
-        job.cleanup()
 
 
 def sc_local_nccl_repeat(env, mode, ref):
     # A node whose every NCCL all-reduce fails locally spends the job's
     # restart budget and the job ends, failed, instead of rebuilding forever.
-    job = env.job("local-nccl-repeat-" + mode, mode, max_restarts=2)
-    try:
+    with env.job("local-nccl-repeat-" + mode, mode, max_restarts=2) as job:
         job.start()
         job.start(worker_prefix=["env", "DUCTILE_FAILPOINTS=gpurt.nccl.ncclAllReduce=30+:async:system"])
         job.start()
@@ -77,8 +56,6 @@ def sc_local_nccl_repeat(env, mode, ref):
         check(any(re.search(r"restart limit (2 reached|reached \(3 > max_restarts 2\))", a.text())
                   for a in job.agents.values()),
               "no agent said the restart limit was reached")
-    finally:
-        job.cleanup()
 
 
 def two_gpu_job(env, name, mode):
@@ -91,8 +68,7 @@ def two_gpu_job(env, name, mode):
 def sc_local_ranks(env, mode, ref):
     # Two workers a node, two GPUs a node: each local rank on its own device
     # (LOCAL_RANK), as on a real node; then a node lost and one joining.
-    job = two_gpu_job(env, "local-ranks", mode)
-    try:
+    with two_gpu_job(env, "local-ranks", mode) as job:
         job.start()
         job.start()
         job.wait_step(10)
@@ -100,8 +76,6 @@ def sc_local_ranks(env, mode, ref):
         job.agents["n2"].kill_tree()
         job.start()
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_visible_one(env, mode, ref):
@@ -109,13 +83,10 @@ def sc_visible_one(env, mode, ref):
     # device plugin or a launcher does): it uses device 0, whatever its
     # LOCAL_RANK, and the two are different GPUs, which NCCL accepts.
     pin = ["sh", "-c", 'export CUDA_VISIBLE_DEVICES="$LOCAL_RANK"; exec "$@"', "pin"]
-    job = two_gpu_job(env, "visible-one", mode)
-    try:
+    with two_gpu_job(env, "visible-one", mode) as job:
         job.start(worker_prefix=pin)
         job.start(worker_prefix=pin)
         verify(job, ref)
-    finally:
-        job.cleanup()
 
 
 def sc_gpu_vs_cpu(env, mode, ref):
@@ -123,14 +94,12 @@ def sc_gpu_vs_cpu(env, mode, ref):
     # agrees within GPU_CPU_TOL (the GPU's sums are not the CPU's bit for bit).
     accs = {}
     for device in ("cuda", "cpu"):
-        job = env.job("calm-" + device, mode, device=device, max_restarts=0, epochs=FAULT_EPOCHS)
-        try:
+        with env.job("calm-" + device, mode, device=device, max_restarts=0,
+                     epochs=FAULT_EPOCHS) as job:
             for _ in range(3):
                 job.start()
             job.finish(300)
             accs[device] = job.accuracy()
-        finally:
-            job.cleanup()
     log("calm run, 3 nodes, seed %d: accuracy %.4f on the GPU path, %.4f on the CPU" %
         (env.seed, accs["cuda"], accs["cpu"]))
     check(abs(accs["cuda"] - accs["cpu"]) <= GPU_CPU_TOL,
