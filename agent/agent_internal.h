@@ -14,7 +14,12 @@
  *             in place) and stopping them
  *   report.c  telling etcd why a round ended: the failure-counting rule's
  *             agent side
- *   finish.c  the job marked complete, and the agent's exit
+ *   finish.c  the job marked complete, and the agent's exit; the handle a
+ *             task holds (rz_job), for the finish and the reports
+ *
+ * Calls between the rooms go one way, down this order: agent.c, loop.c,
+ * round.c, report.c, launch.c, finish.c; each calls only rooms after it (a
+ * launch that fails is returned to round.c, which reports it).
  *
  * The round state machine:
  *
@@ -133,12 +138,25 @@ void stop_workers(agent *a, int grace_ms);
 int keep_in_place(const agent *a);
 /* keep_in_place() where round ends, saying once why not when it cannot. */
 int keep_at_end(agent *a, int64_t round);
-/* Runs the current round's workers, its MASTER_PORT known. */
-void launch_round(agent *a, const char *maddr, int mport);
+/* Runs the current round's workers, its MASTER_PORT known; -1 with why when
+ * they cannot start (the caller reports this node's failure). */
+int launch_round(agent *a, const char *maddr, int mport, char *why, size_t len);
 /* Whether a spare that died is started again. */
 int spares_wanted(const agent *a);
 
 /* ---- report.c ---- */
+
+/* Tells etcd why the round ends, once a round, on a task. */
+void report_start(agent *a, const char *reason, int first_hand, int suspect);
+void report_failure(agent *a, const char *reason, int first_hand);
+/* The report's answer arrived. */
+void on_report(agent *a);
+/* Whether a reaped worker's end may be a peer's death seen from here. */
+int exit_may_be_peer(const agent *a, const agent_worker *w);
+/* The JobFailed Event, once, from node rank 0 of the last round. */
+void post_job_failed(agent *a);
+
+/* ---- finish.c ---- */
 
 /* A report or the finish, made on a task's thread: it holds the handle, so
  * a rejoin or exit may close it meanwhile. */
@@ -154,18 +172,6 @@ typedef struct rz_job {
 
 rz_job *rz_job_new(agent *a);
 void rz_job_free(void *p);
-/* Tells etcd why the round ends, once a round, on a task. */
-void report_start(agent *a, const char *reason, int first_hand, int suspect);
-void report_failure(agent *a, const char *reason, int first_hand);
-/* The report's answer arrived. */
-void on_report(agent *a);
-/* Whether a reaped worker's end may be a peer's death seen from here. */
-int exit_may_be_peer(const agent *a, const agent_worker *w);
-/* The JobFailed Event, once, from node rank 0 of the last round. */
-void post_job_failed(agent *a);
-
-/* ---- finish.c ---- */
-
 /* Leaves the job and ends the loop with exit code code; how says why. */
 void agent_finish(agent *a, int code, const char *how);
 /* Every worker exited 0: mark the job complete, on a task. */

@@ -4,7 +4,9 @@
  * in etcd (rdzv_finish) on a task, so the loop goes on meanwhile; its
  * answer decides the exit code. agent_finish is the one way out of the
  * loop, whatever ends it: it leaves the job (the only etcd call made on
- * the loop's own thread), says the exit line, and sets a->done.
+ * the loop's own thread), says the exit line, and sets a->done. The
+ * rendezvous handle a task holds (rz_job), for the finish and for the
+ * failure reports (report.c), is made and freed here, below both.
  */
 #include "agent_internal.h"
 
@@ -12,6 +14,30 @@
 #include "ductile/rdzv.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+
+/* ---- the handle a task holds (a report's or the finish's) ---- */
+
+rz_job *rz_job_new(agent *a)
+{
+    rz_job *j = calloc(1, sizeof(*j));
+    if (!j) return NULL;
+    j->rz = a->rz;
+    rdzv_hold(a->rz);
+    return j;
+}
+
+void rz_job_free(void *p)
+{
+    rz_job *j = p;
+    rdzv_release(j->rz);
+    for (int i = 0; i < j->nothers; i++)
+        free(j->others[i]);
+    free(j->others);
+    free(j);
+}
+
+/* ---- the exit ---- */
 
 void agent_finish(agent *a, int code, const char *how)
 {

@@ -107,9 +107,9 @@ static void send_round(agent *a, const rdzv_member *me, const char *maddr, int m
 
 /* Runs the current round's workers once its MASTER_PORT is known: keeps
  * them in place when every one can be, else starts them afresh (a warm
- * spare adopted where one is ready). A launch that fails is this node's
- * failure. */
-void launch_round(agent *a, const char *maddr, int mport)
+ * spare adopted where one is ready). A launch that fails returns -1 with
+ * why: this node's failure, for the caller to report. */
+int launch_round(agent *a, const char *maddr, int mport, char *why, size_t len)
 {
     const rdzv_round *rd = &a->round;
     const rdzv_member *me = rdzv_round_self(rd);
@@ -128,7 +128,7 @@ void launch_round(agent *a, const char *maddr, int mport)
         dlog_info(&a->lg, "workers_kept", "round %lld: %d workers kept, ranks %d..%d",
                   (long long)rd->number, a->o->nproc, me->first_global_rank,
                   me->first_global_rank + a->o->nproc - 1);
-        return;
+        return 0;
     }
     agent_round_env env = {.round = rd->number,
                            .world_size = rd->world_size,
@@ -147,17 +147,15 @@ void launch_round(agent *a, const char *maddr, int mport)
                            .store_prefix = prefix,
                            .etcd = a->etcd,
                            .logs = &a->logs};
-    char msg[AGENT_MSG_MAX];
     int warm = 0;
     agent_adopt adopt = agent_warm_adopt(&a->warm);
-    if (agent_logs_attempt(&a->logs, rd->restarts, msg, sizeof(msg)) != 0 ||
-        agent_workers_spawn(&a->ws, &env, a->o->cmd, &adopt, &warm, msg, sizeof(msg)) != 0) {
+    if (agent_logs_attempt(&a->logs, rd->restarts, why, len) != 0 ||
+        agent_workers_spawn(&a->ws, &env, a->o->cmd, &adopt, &warm, why, len) != 0) {
         dlog_error(&a->lg, "spawn_failed", "round %lld: cannot start workers: %s",
-                   (long long)rd->number, msg);
+                   (long long)rd->number, why);
         a->state = AGENT_RDZV;
         a->in_round = 0;
-        report_failure(a, msg, 1);
-        return;
+        return -1;
     }
     a->ws_gen++;
     a->state = AGENT_RUNNING;
@@ -177,6 +175,7 @@ void launch_round(agent *a, const char *maddr, int mport)
     /* In inplace mode a fresh worker also gets the round on its channel, so
      * a trainer reads its round the same way every time. */
     if (a->o->inplace) send_round(a, me, maddr, mport, prefix);
+    return 0;
 }
 
 /* A spare that died is started again (once a round) while another launch

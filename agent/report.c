@@ -20,16 +20,6 @@
 #include <string.h>
 #include <sys/wait.h>
 
-void rz_job_free(void *p)
-{
-    rz_job *j = p;
-    rdzv_release(j->rz);
-    for (int i = 0; i < j->nothers; i++)
-        free(j->others[i]);
-    free(j->others);
-    free(j);
-}
-
 /* The node ids of the round's other members, for the job's check. */
 static int rz_job_others(rz_job *j, const rdzv_round *r)
 {
@@ -42,15 +32,6 @@ static int rz_job_others(rz_job *j, const rdzv_round *r)
         j->nothers++;
     }
     return 0;
-}
-
-rz_job *rz_job_new(agent *a)
-{
-    rz_job *j = calloc(1, sizeof(*j));
-    if (!j) return NULL;
-    j->rz = a->rz;
-    rdzv_hold(a->rz);
-    return j;
 }
 
 /* The report's answer: "ERR RESTARTS COUNTED GONE NAMES". A worker's error

@@ -211,6 +211,15 @@ static void start_round(agent *a, rdzv_round *r)
     }
 }
 
+/* The round's workers started on node rank 0's MASTER_PORT (members are
+ * sorted by rank); a launch that failed is this node's failure. */
+static void run_workers(agent *a, int port)
+{
+    char why[AGENT_MSG_MAX];
+    if (launch_round(a, a->round.members[0].addr, port, why, sizeof(why)) != 0)
+        report_failure(a, why, 1);
+}
+
 /* The MASTER_PORT publish or wait answered: go on with the round if it
  * still stands. */
 void on_master(agent *a)
@@ -224,14 +233,14 @@ void on_master(agent *a)
     if (!a->in_round || a->round.number != round) return;
     if (publishing) { /* as when it was made in place: whatever the state */
         if (rc == 0)
-            launch_round(a, a->round.members[0].addr, port);
+            run_workers(a, port);
         else
             publish_failed(a, round, why);
         return;
     }
     if (a->state != AGENT_RDZV) return;
     if (rc == 0) {
-        launch_round(a, a->round.members[0].addr, port); /* members are sorted by rank */
+        run_workers(a, port);
         return;
     }
     dlog_warn(&a->lg, "master_port_failed", "round %lld: no MASTER_PORT: %s", (long long)round,
