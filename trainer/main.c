@@ -21,10 +21,9 @@
  * step on purpose, for the tests of those paths. Options: options.c.
  *
  * This file is the start and the loop; the rest of the trainer is in
- * trainer.h's files: step.c, eval.c, state.c, recover.c, setup.c.
+ * trainer.h's files: step.c, eval.c, state.c, recover.c, setup.c, say.c.
  */
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 
 #include "ductile/clock.h"
@@ -39,35 +38,6 @@ volatile sig_atomic_t trainer_stop_signal;
 static void on_signal(int sig)
 {
     trainer_stop_signal = sig;
-}
-
-/* ---- messages (trainer.h) ---- */
-
-void trainer_say(const trainer *t, const char *fmt, ...)
-{
-    if (t->g.rank != 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    dlog_vwrite(&t->out, DLOG_INFO, NULL, fmt, ap);
-    va_end(ap);
-}
-
-int trainer_error(const trainer *t, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    dlog_vwrite(&t->log, DLOG_ERROR, NULL, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
-int trainer_fail(trainer *t, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(t->why, sizeof(t->why), fmt, ap);
-    va_end(ap);
-    return trainer_error(t, "%s", t->why);
 }
 
 /* Every --log-every steps: rank 0's loss and the global samples/s since the last line. */

@@ -6,7 +6,8 @@
  * job's end (the summary, the parameter dump); state.c the state every rank
  * agrees on (checkpoints, resume, the state sync); recover.c the in-place
  * rebuild after a failure or at a round's end (elastic mode, under
- * ductile-agent); setup.c everything the first step needs, and teardown.
+ * ductile-agent); setup.c everything the first step needs, and teardown;
+ * say.c the messages every one of them writes.
  */
 #ifndef DUCTILE_TRAINER_H
 #define DUCTILE_TRAINER_H
@@ -94,7 +95,7 @@ typedef struct loop {
     stop_reason why;
 } loop;
 
-/* ---- main.c: messages ---- */
+/* ---- say.c: messages ---- */
 
 /* Rank 0's progress lines, at info level on stdout (scripts read them there;
  * a clean run leaves stderr empty), in the log's format. */
