@@ -6,6 +6,10 @@ of the agent, the rendezvous, the trainer, the control protocol or a public
 header fits a screen (80 lines, its signature to its closing brace). Prints
 each file and function over its limit and exits 1; with --report, prints the
 five largest files and every function over 80 lines and exits 0.
+
+Within a folder of the product, calls between files go one way: two files
+that each call a function the other defines are a circle, and listed (the
+shared piece goes below both, or one side hands the other what it needs).
 """
 import os
 import re
@@ -17,6 +21,8 @@ FUNC_LIMIT = 80
 SOURCE_DIRS = ("common", "control", "rendezvous", "agent", "trainer", "include", "tests",
                "bench", "python")
 FUNC_DIRS = ("common", "control", "rendezvous", "agent", "trainer", "include")
+CIRCLE_DIRS = ("common", "control", "rendezvous", "agent", "trainer")
+COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\])*\"", re.S)
 SUFFIXES = (".c", ".h", ".cu", ".py", ".sh")
 # A function definition: a line at column 0 that names a function and does
 # not end in ';' (a declaration), its body opened by '{' at the line's end or
@@ -56,6 +62,35 @@ def functions(lines):
         i = k + 1
 
 
+def circles():
+    """Pairs of files of one folder that call each other's functions."""
+    found = []
+    for top in CIRCLE_DIRS:
+        d = os.path.join(ROOT, top)
+        if not os.path.isdir(d):
+            continue
+        texts, defined = {}, {}
+        for f in sorted(os.listdir(d)):
+            if not f.endswith((".c", ".cu")):
+                continue
+            with open(os.path.join(d, f), encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+            texts[f] = COMMENT.sub(" ", text)
+            lines = text.split("\n")
+            for name, first, _ in functions(lines):
+                if not lines[first - 1].startswith("static"):
+                    defined.setdefault(name, f)
+        calls = set()
+        for f, text in texts.items():
+            for name, g in defined.items():
+                if g != f and re.search(r"\b%s\s*\(" % re.escape(name), text):
+                    calls.add((f, g))
+        for a, b in sorted(calls):
+            if a < b and (b, a) in calls:
+                found.append("%s: %s and %s call each other" % (top, a, b))
+    return found
+
+
 def main():
     report = "--report" in sys.argv[1:]
     sizes, long_funcs, bad = [], [], []
@@ -73,6 +108,8 @@ def main():
                     long_funcs.append((length, "%s:%d %s" % (rel, first, name)))
                     bad.append("%s:%d: %s is %d lines (at most %d)" %
                                (rel, first, name, length, FUNC_LIMIT))
+    circle = circles()
+    bad += circle
     if report:
         sizes.sort(reverse=True)
         print("five largest files: " + ", ".join("%s %d" % (r, n) for n, r in sizes[:5]))
@@ -80,6 +117,9 @@ def main():
         print("functions over %d lines: %d" % (FUNC_LIMIT, len(long_funcs)))
         for length, where in long_funcs:
             print("  %s: %d" % (where, length))
+        print("circles: %d" % len(circle))
+        for line in circle:
+            print("  " + line)
         return 0
     for line in bad:
         print(line)
