@@ -125,24 +125,32 @@ class Env:
         """The accuracy of an uninterrupted run of `epochs`: the one the
         reference file holds for this seed, else run here (and kept there)."""
         key = "%d:%d" % (self.seed, epochs)
-        if self.ref_file and key in self.saved_refs():
-            acc = self.saved_refs()[key]
+        refs = self.saved_refs() if self.ref_file else {}
+        if key in refs:
+            acc = refs[key]
             log("reference (3 agents, uninterrupted, from %s): accuracy %.4f" % (self.ref_file, acc))
             return acc
         acc = self.reference_run(epochs)
         if self.ref_file:
-            refs = dict(self.saved_refs(), **{key: acc})
-            with open(self.ref_file + ".tmp", "w") as f:
+            refs[key] = acc
+            tmp = "%s.%d.tmp" % (self.ref_file, os.getpid())  # one writer a file
+            with open(tmp, "w") as f:
                 json.dump(refs, f)
-            os.replace(self.ref_file + ".tmp", self.ref_file)
+            os.replace(tmp, self.ref_file)
         return acc
 
     def saved_refs(self):
+        """The reference file's accuracies, those that are one (a number in
+        [0, 1]); none when it is absent or not JSON."""
         try:
             with open(self.ref_file) as f:
-                return json.load(f)
+                refs = json.load(f)
         except (OSError, ValueError):
             return {}
+        if not isinstance(refs, dict):
+            return {}
+        return {k: v for k, v in refs.items()
+                if isinstance(v, float) and 0.0 <= v <= 1.0}
 
     def reference_run(self, epochs):
         job = self.job("reference", "inplace", epochs=epochs)
